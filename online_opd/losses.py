@@ -1,0 +1,269 @@
+"""Draft-OPD distillation objectives (paper eq. 8-13) and the ablation baselines.
+
+Pure tensor functions over a batch of ``num_blocks`` replayed draft blocks of
+``K`` positions: target and draft next-token logits on the same draft prefix
+(eq. 6-7), and per block how many positions the verifier accepted. k = 1..K is
+the 1-based position, r = num_accepted, p = softmax(target_logits) (teacher,
+never differentiated), q = softmax(draft_logits) (student).
+
+    I_acc = {(m, k): k <= r_m}                                   (eq. 8)
+    I_rej = {(m, k): r_m < k <= K}                               (eq. 9)
+    L_acc = mean_{I_acc} KL(p || q)                              (eq. 10)
+    L_rej = sum_{I_rej} w_k KL(q || p) / sum_{I_rej} w_k         (eq. 11)
+    w_k   = gamma^(k-1)                                          (eq. 12)
+    L     = (l_acc L_acc + l_rej L_rej) / (l_acc + l_rej)        (eq. 13)
+
+Every objective returns a ``DraftOPDLoss``: ``.loss`` is what to backpropagate,
+``.accepted`` / ``.rejected`` are that objective restricted to the accepted /
+rejected group (each normalised within its group) for logging. A group with no
+positions in the batch reports a graph-connected 0 and is left out of ``.loss``.
+Logits are assumed finite; half-precision logits are upcast to float32.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+
+@dataclass(frozen=True)
+class DraftOPDLoss:
+    """Result of a distillation objective on one batch of draft blocks."""
+
+    loss: torch.Tensor  # [] objective to minimise
+    accepted: torch.Tensor  # [] objective over accepted positions (L_acc)
+    rejected: torch.Tensor  # [] objective over rejected positions (L_rej)
+    num_accepted_positions: int  # |I_acc| in the batch
+    num_rejected_positions: int  # |I_rej| in the batch (as used by the objective)
+
+
+def _check_num_accepted(num_accepted: torch.Tensor, K: int) -> None:  # num_accepted: [num_blocks]
+    if not isinstance(num_accepted, torch.Tensor):
+        raise ValueError(f"num_accepted must be a torch.Tensor, got {type(num_accepted).__name__}")
+    if num_accepted.is_floating_point() or num_accepted.is_complex() or num_accepted.dtype == torch.bool:
+        raise ValueError(f"num_accepted must be an integer tensor, got dtype {num_accepted.dtype}")
+    if num_accepted.dim() != 1:
+        raise ValueError(f"num_accepted must have shape [num_blocks], got {tuple(num_accepted.shape)}")
+    if K < 1:
+        raise ValueError(f"block length K must be >= 1, got {K}")
+    if num_accepted.numel() > 0:
+        lo, hi = torch.stack([num_accepted.min(), num_accepted.max()]).tolist()
+        if lo < 0 or hi > K:
+            raise ValueError(f"num_accepted values must lie in 0..K={K}, got min {lo} and max {hi}")
+
+
+def _check_inputs(
+    target_logits: torch.Tensor,  # [num_blocks, K, vocab]
+    draft_logits: torch.Tensor,  # [num_blocks, K, vocab]
+    num_accepted: torch.Tensor,  # [num_blocks] int, values in 0..K
+) -> None:
+    for name, t in (("target_logits", target_logits), ("draft_logits", draft_logits)):
+        if not isinstance(t, torch.Tensor):
+            raise ValueError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        if not t.is_floating_point():
+            raise ValueError(f"{name} must be a floating-point tensor, got dtype {t.dtype}")
+        if t.dim() != 3:
+            raise ValueError(f"{name} must have shape [num_blocks, K, vocab], got {tuple(t.shape)}")
+    if target_logits.shape != draft_logits.shape:
+        raise ValueError(f"shapes differ: target {tuple(target_logits.shape)} vs draft {tuple(draft_logits.shape)}")
+    num_blocks, K, vocab = draft_logits.shape
+    if vocab < 1:
+        raise ValueError("logits must have a non-empty vocab dimension")
+    _check_num_accepted(num_accepted, K)
+    if num_accepted.shape[0] != num_blocks:
+        raise ValueError(f"num_accepted has {num_accepted.shape[0]} entries but the logits have {num_blocks} blocks")
+    if len({target_logits.device, draft_logits.device, num_accepted.device}) > 1:
+        raise ValueError(f"devices differ: {target_logits.device}, {draft_logits.device}, {num_accepted.device}")
+
+
+def _check_gamma(gamma: float) -> None:
+    if not (isinstance(gamma, (int, float)) and math.isfinite(gamma) and gamma > 0):
+        raise ValueError(f"gamma must be a finite number > 0, got {gamma!r}")
+
+
+def _masks(
+    num_accepted: torch.Tensor,  # [num_blocks] int, values in 0..K
+    K: int,
+    first_rejected_only: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    k = torch.arange(1, K + 1, device=num_accepted.device)  # [K] 1-based positions
+    r = num_accepted.unsqueeze(-1)  # [num_blocks, 1]
+    accepted = k <= r  # [num_blocks, K]  eq. 8
+    rejected = (k == r + 1) if first_rejected_only else (k > r)  # [num_blocks, K]  eq. 9
+    return accepted, rejected
+
+
+def position_masks(
+    num_accepted: torch.Tensor,  # [num_blocks] int, values in 0..K
+    K: int,
+    *,
+    first_rejected_only: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Return bool masks ``(accepted, rejected)``, each ``[num_blocks, K]``.
+
+    accepted[m, k-1] = k <= r_m; rejected[m, k-1] = k > r_m, or k == r_m + 1 only
+    when ``first_rejected_only`` (then a fully accepted block has no rejected position).
+    """
+    _check_num_accepted(num_accepted, K)
+    return _masks(num_accepted, K, first_rejected_only)
+
+
+def _log_probs(
+    target_logits: torch.Tensor,  # [num_blocks, K, vocab]
+    draft_logits: torch.Tensor,  # [num_blocks, K, vocab]
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(log p, log q), each [num_blocks, K, vocab]; log p is detached (teacher)."""
+    dtype = torch.promote_types(torch.promote_types(target_logits.dtype, draft_logits.dtype), torch.float32)
+    log_p = torch.log_softmax(target_logits.detach().to(dtype), dim=-1)
+    return log_p, torch.log_softmax(draft_logits.to(dtype), dim=-1)
+
+
+def _kl(
+    log_a: torch.Tensor,  # [num_blocks, K, vocab]
+    log_b: torch.Tensor,  # [num_blocks, K, vocab]
+) -> torch.Tensor:
+    """KL(a || b) = sum_v a(v) (log a(v) - log b(v)) per position: [num_blocks, K].
+
+    Forward KL is _kl(log_p, log_q), reverse KL is _kl(log_q, log_p).
+    """
+    return (log_a.exp() * (log_a - log_b)).sum(-1)
+
+
+def _position_weights(K: int, gamma: float, like: torch.Tensor) -> torch.Tensor:
+    """w_k = gamma^(k-1) for k = 1..K (eq. 12): [K], with like's dtype and device."""
+    return gamma ** torch.arange(K, dtype=like.dtype, device=like.device)
+
+
+def _masked_mean(
+    values: torch.Tensor,  # [num_blocks, K]
+    mask: torch.Tensor,  # [num_blocks, K] bool
+    weights: torch.Tensor | None = None,  # [K], or None for uniform weights
+) -> torch.Tensor:
+    """sum_{mask} w * values / sum_{mask} w; a graph-connected 0 when the mask is empty."""
+    w = mask.to(values.dtype) if weights is None else torch.where(mask, weights, 0.0)  # [num_blocks, K]
+    total = w.sum()
+    numerator = (torch.where(mask, values, 0.0) * w).sum()
+    return numerator / torch.where(total > 0, total, torch.ones_like(total))
+
+
+def _counts(
+    acc_mask: torch.Tensor,  # [num_blocks, K] bool
+    rej_mask: torch.Tensor,  # [num_blocks, K] bool
+) -> tuple[int, int]:
+    """(number of accepted positions, number of rejected positions), one device sync."""
+    n_acc, n_rej = torch.stack([acc_mask.sum(), rej_mask.sum()]).tolist()
+    return int(n_acc), int(n_rej)
+
+
+def draft_opd_loss(
+    target_logits: torch.Tensor,  # [num_blocks, K, vocab]
+    draft_logits: torch.Tensor,  # [num_blocks, K, vocab]
+    num_accepted: torch.Tensor,  # [num_blocks] int, values in 0..K
+    *,
+    gamma: float = 0.8,
+    lambda_acc: float = 1.0,
+    lambda_rej: float = 1.0,
+    first_rejected_only: bool = False,
+) -> DraftOPDLoss:
+    """Draft-OPD acceptance-aware objective (eq. 10-13).
+
+    Forward KL(p || q) on accepted positions (target-weighted: cover the target at
+    verified states); gamma-weighted reverse KL(q || p) on rejected positions
+    (draft-weighted: penalise the draft's own proposals the target disagrees with,
+    earlier failures weigh more). Groups are pooled over the batch; an empty group
+    drops out of eq. 13. ``first_rejected_only``: rejected group = {r+1} (sec. 6.1).
+    """
+    _check_inputs(target_logits, draft_logits, num_accepted)
+    _check_gamma(gamma)
+    if not (lambda_acc >= 0 and lambda_rej >= 0 and lambda_acc + lambda_rej > 0):
+        raise ValueError(f"lambda_acc and lambda_rej must be >= 0 with a positive sum, got {lambda_acc}, {lambda_rej}")
+    K = draft_logits.shape[1]
+    acc, rej = _masks(num_accepted, K, first_rejected_only)  # [num_blocks, K] each
+    log_p, log_q = _log_probs(target_logits, draft_logits)
+    l_acc = _masked_mean(_kl(log_p, log_q), acc)  # eq. 10
+    l_rej = _masked_mean(_kl(log_q, log_p), rej, _position_weights(K, gamma, log_q))  # eq. 11-12
+    n_acc, n_rej = _counts(acc, rej)
+    lam_acc = lambda_acc if n_acc else 0.0  # an empty group leaves eq. 13 entirely
+    lam_rej = lambda_rej if n_rej else 0.0
+    if lam_acc + lam_rej == 0:
+        loss = (l_acc + l_rej) * 0.0  # nothing to learn from: graph-connected zero
+    else:
+        loss = (lam_acc * l_acc + lam_rej * l_rej) / (lam_acc + lam_rej)  # eq. 13
+    return DraftOPDLoss(loss, l_acc, l_rej, n_acc, n_rej)
+
+
+def all_forward_loss(
+    target_logits: torch.Tensor,  # [num_blocks, K, vocab]
+    draft_logits: torch.Tensor,  # [num_blocks, K, vocab]
+    num_accepted: torch.Tensor,  # [num_blocks] int, values in 0..K
+) -> DraftOPDLoss:
+    """Ablation "All-forward" (Table 3): uniform mean of KL(p || q) over all K positions."""
+    _check_inputs(target_logits, draft_logits, num_accepted)
+    acc, rej = _masks(num_accepted, draft_logits.shape[1], False)
+    kl = _kl(*_log_probs(target_logits, draft_logits))  # [num_blocks, K]
+    loss = _masked_mean(kl, acc | rej)  # acc | rej covers every position: (1/(B K)) sum KL(p || q)
+    return DraftOPDLoss(loss, _masked_mean(kl, acc), _masked_mean(kl, rej), *_counts(acc, rej))
+
+
+def all_reverse_loss(
+    target_logits: torch.Tensor,  # [num_blocks, K, vocab]
+    draft_logits: torch.Tensor,  # [num_blocks, K, vocab]
+    num_accepted: torch.Tensor,  # [num_blocks] int, values in 0..K
+    *,
+    gamma: float = 0.8,
+) -> DraftOPDLoss:
+    """Ablation "All-reverse" (Table 3): sum_k w_k KL(q || p) / sum_k w_k over all K positions."""
+    _check_inputs(target_logits, draft_logits, num_accepted)
+    _check_gamma(gamma)
+    K = draft_logits.shape[1]
+    acc, rej = _masks(num_accepted, K, False)
+    log_p, log_q = _log_probs(target_logits, draft_logits)
+    kl = _kl(log_q, log_p)  # [num_blocks, K]
+    w = _position_weights(K, gamma, log_q)  # [K]
+    loss = _masked_mean(kl, acc | rej, w)
+    return DraftOPDLoss(loss, _masked_mean(kl, acc, w), _masked_mean(kl, rej, w), *_counts(acc, rej))
+
+
+def target_rollout_loss(
+    target_logits: torch.Tensor,  # [num_blocks, K, vocab]
+    draft_logits: torch.Tensor,  # [num_blocks, K, vocab]
+    num_accepted: torch.Tensor,  # [num_blocks] int, values in 0..K
+) -> DraftOPDLoss:
+    """Naive target-assisted rollout baseline (Table 4): forward KL on the verified trajectory only.
+
+    Speculative decoding keeps the verified continuation: the r accepted draft
+    tokens, then the target's own token at position r+1 (replacing the first
+    rejected draft token). Training on that rollout is forward KL(p || q) at the
+    states it visits. Position k is predicted from c_m + d_{<k}, which is the
+    verified prefix while d_1..d_{k-1} were all accepted, i.e. for k <= r+1: the
+    state at r+1 is on the trajectory, only its token was replaced. Positions
+    k > r+1 condition on a rejected draft token and are dropped: exactly the draft
+    errors Draft-OPD keeps. When r == K the bonus token is position K+1, outside
+    the block, so k <= K. ``.accepted``: mean over k <= r; ``.rejected``: mean
+    over position r+1; ``.loss``: mean over both pooled.
+    """
+    _check_inputs(target_logits, draft_logits, num_accepted)
+    acc, first_rej = _masks(num_accepted, draft_logits.shape[1], True)
+    kl = _kl(*_log_probs(target_logits, draft_logits))  # [num_blocks, K]
+    loss = _masked_mean(kl, acc | first_rej)  # positions k <= min(r + 1, K)
+    return DraftOPDLoss(loss, _masked_mean(kl, acc), _masked_mean(kl, first_rej), *_counts(acc, first_rej))
+
+
+LossFn = Callable[..., DraftOPDLoss]
+
+LOSSES: dict[str, LossFn] = {
+    "draft_opd": draft_opd_loss,
+    "all_forward": all_forward_loss,
+    "all_reverse": all_reverse_loss,
+    "target_rollout": target_rollout_loss,
+}
+
+
+def get_loss(name: str) -> LossFn:
+    """Look up an objective in ``LOSSES`` by name."""
+    if name not in LOSSES:
+        raise ValueError(f"unknown loss {name!r}; valid names: {', '.join(sorted(LOSSES))}")
+    return LOSSES[name]
