@@ -1,0 +1,297 @@
+"""Typed run configuration: pydantic models nested by concern, YAML + dotted overrides.
+
+``load_config("configs/default.yaml", ["trainer.lr=1e-4"])`` reads a YAML file,
+applies ``section.key=value`` overrides (values parsed as YAML), and validates
+everything into an :class:`OnlineOPDConfig`. Every model forbids unknown keys;
+all problems surface as one :class:`ConfigError` naming the dotted key.
+``dump_config`` writes the validated config back as YAML (``config show``).
+
+Sections: model (target), drafter, data (training traffic), trainer, eval, and
+``engine`` (vLLM engine keyword arguments passed through untouched). What the
+sections *mean* at run time lives with their users, not here.
+"""
+
+from __future__ import annotations
+
+import difflib
+import re
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any, Literal, get_origin
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic_core import ErrorDetails
+
+__all__ = ["ConfigError", "ModelConfig", "DrafterConfig", "DataConfig", "TrainerConfig", "EvalConfig",
+           "OnlineOPDConfig", "load_config", "apply_overrides", "dump_config"]
+
+PromptSource = Literal["sharegpt", "humaneval"]
+RESERVED_ENGINE_KEYS = {"model": "model.target", "speculative_config": "the drafter section",
+                        "dtype": "model.dtype", "max_model_len": "model.max_model_len"}  # -> where to set it
+
+
+class ConfigError(ValueError):
+    """A config file or override is missing, malformed, or fails validation."""
+
+
+class _Strict(BaseModel):
+    """Base of every config model: unknown keys are errors."""
+
+    model_config = ConfigDict(extra="forbid")
+
+
+class ModelConfig(_Strict):
+    """The target model that serves traffic and teaches the drafter."""
+
+    target: str | None = Field(
+        None, min_length=1, description="Path or Hugging Face id; null = embedded SmolLM2-135M-Instruct.")
+    cache_dir: Path | None = Field(
+        None, description="Cache for the embedded model; null = $ONLINE_OPD_CACHE or ~/.cache/online-opd.")
+    dtype: Literal["float32", "bfloat16", "float16"] = Field(
+        "bfloat16", description="Weight/activation dtype of target and drafter.")
+    max_model_len: int = Field(2048, gt=0, description="Longest sequence (prompt + output) in tokens.")
+
+    def resolved_cache_dir(self) -> Path:
+        """``cache_dir``, or the package default when unset."""
+        if self.cache_dir is not None:
+            return self.cache_dir.expanduser()
+        from online_opd.target import default_cache_dir
+
+        return default_cache_dir()
+
+
+class DrafterConfig(_Strict):
+    """Architecture and initialisation of the speculative drafter."""
+
+    method: Literal["dflash", "eagle3"] = Field("dflash", description="Drafter architecture.")
+    num_layers: int = Field(1, ge=1, description="Transformer layers in the drafter.")
+    block_size: int = Field(
+        8, ge=1, le=32, description="K: tokens drafted per block (vLLM num_speculative_tokens).")
+    target_layer_ids: list[int] | None = Field(
+        None, min_length=1,
+        description="Target layers whose hidden states feed the drafter; null = spread automatically.")
+    intermediate_size: int | None = Field(None, gt=0, description="Drafter MLP width; null = the target's.")
+    mask_token_id: int | None = Field(
+        None, ge=0,
+        description="Placeholder token for not-yet-drafted positions; null = chosen from the tokenizer.")
+    init_from: Path | None = Field(
+        None, description="Start from this drafter checkpoint folder; null = random init.")
+    seed: int = Field(0, description="Seed of the random initialisation.")
+
+    @field_validator("target_layer_ids")
+    @classmethod
+    def _layer_ids_sorted(cls, ids: list[int] | None) -> list[int] | None:
+        if ids is not None and (min(ids) < 0 or any(a >= b for a, b in zip(ids, ids[1:]))):
+            raise ValueError("must be unique, sorted ascending and >= 0")
+        return ids
+
+
+class DataConfig(_Strict):
+    """Prompt traffic that drives training when no live server supplies it."""
+
+    prompts: PromptSource = Field("sharegpt", description="Prompt set (an installed offline wheel).")
+    num_prompts: int = Field(512, ge=1, description="Training prompts drawn from the train split.")
+    max_new_tokens: int = Field(256, ge=1, description="Tokens generated per training prompt.")
+    held_out_fraction: float = Field(
+        0.2, gt=0, lt=1, description="Share of prompt ids reserved for evaluation.")
+    seed: int = Field(0, description="Shuffle seed for prompt selection.")
+
+
+class TrainerConfig(_Strict):
+    """Distillation objective, optimiser and loop of the drafter trainer."""
+
+    objective: Literal["sft", "draft_opd", "all_forward", "all_reverse", "target_rollout"] = Field(
+        "draft_opd", description="Training objective: Draft-OPD, its ablations, or DFlash-style SFT.")
+    lr: float = Field(3e-4, gt=0, description="Peak AdamW learning rate.")
+    weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay.")
+    betas: tuple[float, float] = Field((0.9, 0.95), description="AdamW betas.")
+    warmup_ratio: float = Field(
+        0.05, ge=0, lt=1, description="Fraction of num_steps spent in linear warm-up.")
+    min_lr_ratio: float = Field(0.1, ge=0, le=1, description="Cosine decay floor as a fraction of lr.")
+    grad_clip: float = Field(1.0, ge=0, description="Max global grad norm; 0 = no clipping.")
+    num_steps: int = Field(1000, ge=1, description="Optimiser steps.")
+    sequences_per_step: int = Field(4, ge=1, description="Sequences replayed per step.")
+    anchors_per_sequence: int = Field(16, ge=1, description="Draft blocks (anchors) sampled per sequence.")
+    gamma: float = Field(
+        0.8, gt=0, description="Position decay w_k = gamma^(k-1) on rejected positions (eq. 12).")
+    lambda_acc: float = Field(1.0, ge=0, description="Weight of the accepted-position forward KL (eq. 13).")
+    lambda_rej: float = Field(1.0, ge=0, description="Weight of the rejected-position reverse KL (eq. 13).")
+    first_rejected_only: bool = Field(False, description="Rejected group = only the first rejected position.")
+    sft_position_decay: float = Field(
+        7.0, gt=0, description="SFT cross-entropy weight exp(-(k-1)/decay) (DFlash).")
+    num_threads: int | None = Field(None, ge=1, description="torch CPU threads; null = torch's default.")
+    checkpoint_every: int = Field(200, ge=1, description="Steps between checkpoints.")
+    log_every: int = Field(10, ge=1, description="Steps between log lines.")
+    output_dir: Path = Field(Path("runs/train"), description="Folder for checkpoints and logs.")
+    device: str = Field(
+        "cpu", pattern=r"^(cpu|cuda|mps|xpu)(:\d+)?$", description="torch device of the trainer.")
+    seed: int = Field(0, description="Seed of anchor sampling and data order.")
+
+    @field_validator("betas")
+    @classmethod
+    def _betas_in_range(cls, betas: tuple[float, float]) -> tuple[float, float]:
+        if not all(0 <= b < 1 for b in betas):
+            raise ValueError("each beta must lie in [0, 1)")
+        return betas
+
+    @model_validator(mode="after")
+    def _lambdas_positive(self) -> TrainerConfig:
+        if self.lambda_acc + self.lambda_rej <= 0:
+            raise ValueError("lambda_acc + lambda_rej must be > 0")
+        return self
+
+
+class EvalConfig(_Strict):
+    """Acceptance and throughput measurement with vLLM speculative decoding."""
+
+    prompts: PromptSource = Field("sharegpt", description="Prompt set to evaluate on.")
+    split: Literal["train", "held_out", "all"] = Field("held_out", description="Which prompt-id partition.")
+    num_prompts: int = Field(64, ge=1, description="Prompts evaluated.")
+    max_tokens: int = Field(128, ge=1, description="Tokens generated per prompt.")
+    temperature: float = Field(0.0, ge=0, description="Sampling temperature; 0 = greedy.")
+    baseline: bool = Field(
+        True, description="Also measure tokens/s without speculative decoding in the same run.")
+
+
+class OnlineOPDConfig(_Strict):
+    """Root of an online-opd run configuration."""
+
+    model: ModelConfig = Field(default_factory=ModelConfig)
+    drafter: DrafterConfig = Field(default_factory=DrafterConfig)
+    data: DataConfig = Field(default_factory=DataConfig)
+    trainer: TrainerConfig = Field(default_factory=TrainerConfig)
+    eval: EvalConfig = Field(default_factory=EvalConfig)
+    engine: dict[str, Any] = Field(
+        default_factory=dict, description="vLLM engine keyword arguments, passed through as-is.")
+
+    @field_validator("engine")
+    @classmethod
+    def _engine_not_reserved(cls, engine: dict[str, Any]) -> dict[str, Any]:
+        for key in engine.keys() & RESERVED_ENGINE_KEYS.keys():
+            raise ValueError(f"'{key}' is owned by online-opd; set {RESERVED_ENGINE_KEYS[key]} instead")
+        return engine
+
+    @model_validator(mode="after")
+    def _lengths_fit(self) -> OnlineOPDConfig:
+        limit = self.model.max_model_len
+        for name, value in [("data.max_new_tokens", self.data.max_new_tokens),
+                            ("eval.max_tokens", self.eval.max_tokens)]:
+            if value >= limit:
+                raise ValueError(f"{name}={value} must be < model.max_model_len={limit}")
+        return self
+
+
+class _Loader(yaml.SafeLoader):
+    """SafeLoader that also reads ``1e-4`` (no dot) as a float, as users expect."""
+
+
+_Loader.add_implicit_resolver(
+    "tag:yaml.org,2002:float", re.compile(r"^[-+]?[0-9][0-9_]*(?:\.[0-9_]*)?[eE][-+]?[0-9]+$"), list("-+0123456789"))
+
+
+def load_config(path: str | Path | None = None, overrides: Sequence[str] = ()) -> OnlineOPDConfig:
+    """Read ``path`` (None = all defaults), apply dotted ``overrides``, validate."""
+    data = _read_yaml(Path(path)) if path is not None else {}
+    origin = str(path) if path is not None else "defaults"
+    return _validate(_merge_overrides(data, overrides), origin, overrides)
+
+
+def apply_overrides(cfg: OnlineOPDConfig, overrides: Sequence[str]) -> OnlineOPDConfig:
+    """A new config: ``cfg`` with dotted ``overrides`` applied and re-validated."""
+    return _validate(_merge_overrides(cfg.model_dump(), overrides), "config", overrides)
+
+
+def dump_config(cfg: OnlineOPDConfig) -> str:
+    """YAML of the validated config (paths as strings, every default written out)."""
+    return yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False)
+
+
+def _read_yaml(path: Path) -> dict[str, Any]:
+    try:
+        data = yaml.load(path.read_text(encoding="utf-8"), Loader=_Loader)
+    except FileNotFoundError:
+        raise ConfigError(f"config file not found: {path}") from None
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"config file {path} is not valid YAML: {exc}") from None
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"config file {path} must hold a mapping of sections, got {type(data).__name__}")
+    return {key: value for key, value in data.items() if value is not None}  # empty section = defaults
+
+
+def _merge_overrides(data: dict[str, Any], overrides: Sequence[str]) -> dict[str, Any]:
+    """Set each ``a.b.c=value`` (value parsed as YAML) into ``data``, in order."""
+    for raw in overrides:
+        key, sep, text = raw.partition("=")
+        keys = key.strip().split(".")
+        if not sep or not all(keys):
+            raise ConfigError(f"malformed override {raw!r}: expected section.key=value")
+        _check_key_path(keys, raw)
+        try:
+            value = yaml.load(text, Loader=_Loader)
+        except yaml.YAMLError as exc:
+            raise ConfigError(f"override {raw!r}: value is not valid YAML: {exc}") from None
+        node = data
+        for depth, part in enumerate(keys[:-1]):
+            if not isinstance(node.get(part), dict):
+                if node.get(part) is not None:
+                    raise ConfigError(f"override {raw!r}: '{'.'.join(keys[:depth + 1])}' is not a section")
+                node[part] = {}
+            node = node[part]
+        node[keys[-1]] = value
+    return data
+
+
+def _check_key_path(keys: list[str], raw: str) -> None:
+    """Name the full dotted key when an override points outside the schema."""
+    model: type[BaseModel] | None = OnlineOPDConfig
+    for depth, part in enumerate(keys):
+        dotted = ".".join(keys[: depth + 1])
+        if model is None:  # below a free-form dict such as engine
+            return
+        if part not in model.model_fields:
+            raise ConfigError(f"override {raw!r}: unknown key '{dotted}'{_suggest(keys[:depth + 1], model)}")
+        is_last, is_dict = depth == len(keys) - 1, get_origin(model.model_fields[part].annotation) is dict
+        model = _sub_model(model, part)
+        if model is None and not (is_last or is_dict):
+            raise ConfigError(f"override {raw!r}: '{dotted}' is a value, not a section")
+
+
+def _sub_model(model: type[BaseModel], name: str) -> type[BaseModel] | None:
+    """The model class of section ``name`` of ``model``; None when it is not a section."""
+    annotation = model.model_fields[name].annotation
+    return annotation if isinstance(annotation, type) and issubclass(annotation, BaseModel) else None
+
+
+def _suggest(keys: Sequence[str], model: type[BaseModel]) -> str:
+    """A "did you mean" hint for the unknown last key of ``keys``, a field of ``model``."""
+    close = difflib.get_close_matches(keys[-1], list(model.model_fields), n=1)
+    return f" (did you mean '{'.'.join([*keys[:-1], close[0]])}'?)" if close else ""
+
+
+def _validate(data: dict[str, Any], origin: str, overrides: Sequence[str]) -> OnlineOPDConfig:
+    try:
+        return OnlineOPDConfig.model_validate(data)
+    except ValidationError as exc:
+        where = origin + (f" with overrides {list(overrides)}" if overrides else "")
+        problems = "\n".join(f"  - {_describe(err)}" for err in exc.errors())
+        raise ConfigError(f"invalid online-opd config ({where}):\n{problems}") from None
+
+
+def _describe(err: ErrorDetails) -> str:
+    """One pydantic error as ``dotted.key: message (got value)``."""
+    loc = [str(part) for part in err["loc"]]
+    dotted = ".".join(loc) or "config"
+    if err["type"] == "extra_forbidden":
+        parent: type[BaseModel] | None = OnlineOPDConfig
+        for part in loc[:-1]:
+            parent = _sub_model(parent, part) if parent and part in parent.model_fields else None
+        return f"unknown key '{dotted}'" + (_suggest(loc, parent) if parent else "")
+    message = err["msg"].removeprefix("Value error, ")
+    value = err.get("input")
+    if isinstance(value, (dict, BaseModel)):
+        return f"{dotted}: {message}"
+    shown = repr(value)
+    return f"{dotted}: {message} (got {shown if len(shown) <= 80 else shown[:77] + '...'})"

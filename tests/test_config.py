@@ -1,0 +1,227 @@
+"""Tests for online_opd.config: shipped configs, overrides, round-trip, error messages."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from pydantic import BaseModel
+
+from online_opd import config as config_module
+from online_opd.config import (
+    ConfigError,
+    OnlineOPDConfig,
+    apply_overrides,
+    dump_config,
+    load_config,
+)
+
+CONFIG_DIR = Path(__file__).resolve().parents[1] / "configs"
+CONFIG_FILES = sorted(CONFIG_DIR.glob("*.yaml"))
+
+
+def _write(tmp_path: Path, text: str) -> Path:
+    path = tmp_path / "run.yaml"
+    path.write_text(text, encoding="utf-8")
+    return path
+
+
+def test_configs_folder_is_not_empty():
+    names = {path.name for path in CONFIG_FILES}
+    assert {"default.yaml", "qwen3-dflash-gpu.yaml", "test-tiny.yaml"} <= names
+
+
+@pytest.mark.parametrize("path", CONFIG_FILES, ids=lambda path: path.name)
+def test_every_shipped_config_loads(path: Path):
+    cfg = load_config(path)
+    assert isinstance(cfg, OnlineOPDConfig)
+
+
+@pytest.mark.parametrize("path", CONFIG_FILES, ids=lambda path: path.name)
+def test_dump_roundtrip_of_shipped_config(path: Path, tmp_path: Path):
+    cfg = load_config(path)
+    assert load_config(_write(tmp_path, dump_config(cfg))) == cfg
+
+
+def test_shipped_config_values():
+    tiny = load_config(CONFIG_DIR / "test-tiny.yaml")
+    assert (tiny.data.num_prompts, tiny.trainer.num_steps, tiny.drafter.block_size) == (8, 4, 4)
+    gpu = load_config(CONFIG_DIR / "qwen3-dflash-gpu.yaml")
+    assert gpu.model.target == "Qwen/Qwen3-8B"
+    assert gpu.drafter.target_layer_ids == [1, 9, 17, 25, 33]
+    assert gpu.drafter.init_from == Path("/models/Qwen3-8B-DFlash-b16")
+    assert gpu.engine == {"gpu_memory_utilization": 0.85, "max_num_seqs": 128}
+    default = load_config(CONFIG_DIR / "default.yaml")
+    assert default.model.target is None and default.engine["enforce_eager"] is True
+
+
+def test_defaults_without_file():
+    cfg = load_config()
+    assert cfg == OnlineOPDConfig()
+    assert cfg.model.target is None and cfg.model.dtype == "bfloat16"
+    assert (cfg.drafter.method, cfg.drafter.block_size) == ("dflash", 8)
+    assert cfg.trainer.objective == "draft_opd" and cfg.trainer.betas == (0.9, 0.95)
+    assert cfg.trainer.output_dir == Path("runs/train")
+    assert cfg.engine == {}
+
+
+def test_every_model_forbids_extra_keys():
+    models = [obj for obj in vars(config_module).values()
+              if isinstance(obj, type) and issubclass(obj, BaseModel) and obj is not BaseModel]
+    assert len(models) >= 6
+    for model in models:
+        assert model.model_config.get("extra") == "forbid", model.__name__
+
+
+def test_dotted_overrides_of_various_types():
+    cfg = load_config(overrides=[
+        "trainer.lr=1e-4",
+        "drafter.target_layer_ids=[1,8,15]",
+        "trainer.first_rejected_only=true",
+        "trainer.betas=[0.8, 0.99]",
+        "model.target=/models/my-target",
+        "drafter.init_from=/ckpt/v3",
+        "eval.split=all",
+        "trainer.num_threads=4",
+        "engine.max_num_seqs=64",
+        "engine.enforce_eager=false",
+    ])
+    assert cfg.trainer.lr == pytest.approx(1e-4)
+    assert cfg.drafter.target_layer_ids == [1, 8, 15]
+    assert cfg.trainer.first_rejected_only is True
+    assert cfg.trainer.betas == (0.8, 0.99)
+    assert cfg.model.target == "/models/my-target"
+    assert cfg.drafter.init_from == Path("/ckpt/v3")
+    assert cfg.eval.split == "all" and cfg.trainer.num_threads == 4
+    assert cfg.engine == {"max_num_seqs": 64, "enforce_eager": False}
+
+
+def test_overrides_apply_over_file_in_order(tmp_path: Path):
+    path = _write(tmp_path, "trainer:\n  lr: 2.0e-4\n  num_steps: 7\n")
+    cfg = load_config(path, ["trainer.lr=5e-5", "trainer.num_steps=9", "trainer.num_steps=11"])
+    assert cfg.trainer.lr == pytest.approx(5e-5) and cfg.trainer.num_steps == 11
+
+
+def test_null_override_and_empty_section(tmp_path: Path):
+    path = _write(tmp_path, "model:\n  target: some/model\nengine:\n")
+    cfg = load_config(path, ["model.target=null"])
+    assert cfg.model.target is None and cfg.engine == {}
+
+
+def test_yaml_exponent_without_dot_is_a_float(tmp_path: Path):
+    cfg = load_config(_write(tmp_path, "trainer:\n  lr: 1e-4\nengine:\n  swap_space: 4e0\n"))
+    assert cfg.trainer.lr == pytest.approx(1e-4)
+    assert cfg.engine["swap_space"] == 4.0
+
+
+def test_apply_overrides_returns_new_validated_config():
+    base = load_config()
+    new = apply_overrides(base, ["drafter.block_size=4"])
+    assert new.drafter.block_size == 4 and base.drafter.block_size == 8
+    with pytest.raises(ConfigError, match="drafter.block_size"):
+        apply_overrides(base, ["drafter.block_size=64"])
+
+
+def test_dump_roundtrip_with_overrides(tmp_path: Path):
+    cfg = load_config(overrides=["drafter.target_layer_ids=[0,5]", "trainer.lr=1e-5",
+                                 "drafter.init_from=/x/y", "engine.max_num_seqs=3"])
+    text = dump_config(cfg)
+    assert "init_from: /x/y" in text
+    assert load_config(_write(tmp_path, text)) == cfg
+
+
+def test_resolved_cache_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    monkeypatch.setenv("ONLINE_OPD_CACHE", str(tmp_path / "env-cache"))
+    assert load_config().model.resolved_cache_dir() == tmp_path / "env-cache"
+    cfg = load_config(overrides=[f"model.cache_dir={tmp_path / 'explicit'}"])
+    assert cfg.model.resolved_cache_dir() == tmp_path / "explicit"
+
+
+def test_unknown_key_in_yaml_names_dotted_key(tmp_path: Path):
+    with pytest.raises(ConfigError, match=r"unknown key 'trainer\.lrr'.*'trainer\.lr'"):
+        load_config(_write(tmp_path, "trainer:\n  lrr: 1.0e-4\n"))
+    with pytest.raises(ConfigError, match=r"unknown key 'serving'"):
+        load_config(_write(tmp_path, "serving:\n  port: 8000\n"))
+
+
+@pytest.mark.parametrize("override, key", [
+    ("trainer.lrr=1e-4", "'trainer.lrr'"),
+    ("drafter.blocksize=4", "'drafter.blocksize'"),
+    ("trainr.lr=1e-4", "'trainr'"),
+])
+def test_unknown_key_in_override_names_dotted_key(override: str, key: str):
+    with pytest.raises(ConfigError, match="unknown key " + key.replace(".", r"\.")):
+        load_config(overrides=[override])
+
+
+@pytest.mark.parametrize("override", ["trainer.lr", "=3", "trainer..lr=1", "trainer.lr.x=1"])
+def test_malformed_override_is_named(override: str):
+    with pytest.raises(ConfigError) as info:
+        load_config(overrides=[override])
+    assert repr(override) in str(info.value)
+
+
+def test_bad_type_names_field_and_value():
+    with pytest.raises(ConfigError) as info:
+        load_config(overrides=["trainer.num_steps=lots"])
+    message = str(info.value)
+    assert "trainer.num_steps" in message and "'lots'" in message
+
+
+def test_bad_type_in_yaml_names_field(tmp_path: Path):
+    with pytest.raises(ConfigError, match=r"drafter\.method.*'medusa'"):
+        load_config(_write(tmp_path, "drafter:\n  method: medusa\n"))
+
+
+@pytest.mark.parametrize("key, section", [
+    ("model", "model.target"),
+    ("speculative_config", "drafter"),
+    ("dtype", "model.dtype"),
+    ("max_model_len", "model.max_model_len"),
+])
+def test_engine_reserved_key_rejected(key: str, section: str):
+    with pytest.raises(ConfigError) as info:
+        load_config(overrides=[f"engine.{key}=x"])
+    message = str(info.value)
+    assert f"'{key}'" in message and section in message
+
+
+@pytest.mark.parametrize("override, field", [
+    ("drafter.block_size=0", "drafter.block_size"),
+    ("drafter.block_size=33", "drafter.block_size"),
+    ("drafter.num_layers=0", "drafter.num_layers"),
+    ("drafter.target_layer_ids=[8,1]", "drafter.target_layer_ids"),
+    ("drafter.target_layer_ids=[1,1]", "drafter.target_layer_ids"),
+    ("drafter.target_layer_ids=[-1,2]", "drafter.target_layer_ids"),
+    ("drafter.target_layer_ids=[]", "drafter.target_layer_ids"),
+    ("trainer.warmup_ratio=1.5", "trainer.warmup_ratio"),
+    ("trainer.lr=0", "trainer.lr"),
+    ("trainer.betas=[0.9,1.0]", "trainer.betas"),
+    ("trainer.gamma=0", "trainer.gamma"),
+    ("trainer.device=gpu", "trainer.device"),
+    ("trainer.objective=dpo", "trainer.objective"),
+    ("data.held_out_fraction=1.0", "data.held_out_fraction"),
+    ("eval.temperature=-0.5", "eval.temperature"),
+    ("model.max_model_len=0", "model.max_model_len"),
+    ("model.dtype=fp8", "model.dtype"),
+])
+def test_validators_reject(override: str, field: str):
+    with pytest.raises(ConfigError, match=field.replace(".", r"\.")):
+        load_config(overrides=[override])
+
+
+def test_cross_field_checks():
+    with pytest.raises(ConfigError, match="lambda_acc"):
+        load_config(overrides=["trainer.lambda_acc=0", "trainer.lambda_rej=0"])
+    with pytest.raises(ConfigError, match=r"data\.max_new_tokens"):
+        load_config(overrides=["model.max_model_len=128", "data.max_new_tokens=256"])
+
+
+def test_file_errors(tmp_path: Path):
+    with pytest.raises(ConfigError, match="not found"):
+        load_config(tmp_path / "missing.yaml")
+    with pytest.raises(ConfigError, match="not valid YAML"):
+        load_config(_write(tmp_path, "trainer: [unclosed\n"))
+    with pytest.raises(ConfigError, match="mapping"):
+        load_config(_write(tmp_path, "- a\n- b\n"))
+    assert load_config(_write(tmp_path, "")) == OnlineOPDConfig()
