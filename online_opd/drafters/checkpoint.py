@@ -1,0 +1,146 @@
+"""Drafter checkpoints in the folder format vLLM loads as a speculative model.
+
+A checkpoint folder holds `config.json` (vLLM/HF config of the drafter),
+`model.safetensors` (the drafter's own tensors only: the target's embeddings
+and LM head are shared, never stored) and `manifest.json` (version, parent
+version, sha256 of each file, training step, free-form metrics). Folders are
+written to a temporary sibling and renamed into place, so a half-written
+checkpoint is never visible.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+from torch import nn
+
+from online_opd.drafters.registry import drafter_class_for_config
+
+CONFIG_FILE = "config.json"
+WEIGHTS_FILE = "model.safetensors"
+MANIFEST_FILE = "manifest.json"
+
+
+class CheckpointError(ValueError):
+    """A drafter checkpoint is missing, corrupt or does not fit its config."""
+
+
+def sha256_file(path: Path, chunk_size: int = 1 << 20) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(chunk_size):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def save_drafter(
+    drafter: nn.Module,
+    path: str | Path,
+    *,
+    version: str | None = None,
+    parent_version: str | None = None,
+    step: int = 0,
+    metrics: dict | None = None,
+) -> Path:
+    """Write `drafter` to the folder `path` atomically; returns the path."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.tmp-", dir=path.parent))
+    try:
+        tensors = {k: v.detach().to("cpu", torch.float32).contiguous()
+                   for k, v in drafter.state_dict().items()}
+        save_file(tensors, tmp / WEIGHTS_FILE, metadata={"format": "pt"})
+        (tmp / CONFIG_FILE).write_text(json.dumps(drafter.cfg.to_hf_config(), indent=2))
+        manifest = {
+            "version": version or path.name,
+            "parent_version": parent_version,
+            "method": drafter.method,
+            "step": step,
+            "files": {f: sha256_file(tmp / f) for f in (CONFIG_FILE, WEIGHTS_FILE)},
+            "metrics": metrics or {},
+        }
+        (tmp / MANIFEST_FILE).write_text(json.dumps(manifest, indent=2))
+        for f in tmp.iterdir():
+            _fsync(f)
+        if path.exists():
+            shutil.rmtree(path)
+        os.replace(tmp, path)
+        _fsync(path.parent)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return path
+
+
+def read_manifest(path: str | Path) -> dict:
+    file = Path(path) / MANIFEST_FILE
+    if not file.exists():
+        return {}
+    return json.loads(file.read_text())
+
+
+def load_drafter(path: str | Path, *, verify_hashes: bool = True) -> nn.Module:
+    """Build a drafter from a checkpoint folder, validating every tensor."""
+    path = Path(path)
+    if not (path / CONFIG_FILE).exists() or not (path / WEIGHTS_FILE).exists():
+        raise CheckpointError(f"{path}: not a drafter checkpoint (needs {CONFIG_FILE} and {WEIGHTS_FILE})")
+    if verify_hashes:
+        verify_checkpoint(path)
+    hf_config = json.loads((path / CONFIG_FILE).read_text())
+    cls = drafter_class_for_config(hf_config)
+    drafter = cls(cls.config_cls.from_hf_config(hf_config))
+    try:
+        tensors = load_file(path / WEIGHTS_FILE)
+    except Exception as exc:  # safetensors raises several types for corrupt files
+        raise CheckpointError(f"{path / WEIGHTS_FILE}: unreadable ({exc})") from exc
+    load_state_checked(drafter, tensors, source=str(path))
+    return drafter
+
+
+def load_state_checked(drafter: nn.Module, tensors: dict[str, torch.Tensor], source: str) -> None:
+    """Copy `tensors` into `drafter`; errors name the missing/extra/mis-shaped tensor."""
+    expected = drafter.state_dict()
+    missing = sorted(set(expected) - set(tensors))
+    unexpected = sorted(set(tensors) - set(expected))
+    if missing:
+        raise CheckpointError(f"{source}: missing tensor(s) {missing}")
+    if unexpected:
+        raise CheckpointError(f"{source}: unexpected tensor(s) {unexpected}")
+    for name, tensor in tensors.items():
+        if tuple(tensor.shape) != tuple(expected[name].shape):
+            raise CheckpointError(
+                f"{source}: tensor {name!r} has shape {tuple(tensor.shape)}, "
+                f"expected {tuple(expected[name].shape)}"
+            )
+        if not torch.isfinite(tensor).all():
+            raise CheckpointError(f"{source}: tensor {name!r} has non-finite values")
+    drafter.load_state_dict(tensors, strict=True)
+
+
+def verify_checkpoint(path: str | Path) -> dict:
+    """Check the manifest's sha256 of every file; returns the manifest."""
+    path = Path(path)
+    manifest = read_manifest(path)
+    for name, digest in manifest.get("files", {}).items():
+        file = path / name
+        if not file.exists():
+            raise CheckpointError(f"{path}: file {name} listed in the manifest is missing")
+        actual = sha256_file(file)
+        if actual != digest:
+            raise CheckpointError(f"{path}: sha256 of {name} is {actual[:12]}…, manifest says {digest[:12]}…")
+    return manifest
+
+
+def _fsync(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
