@@ -49,7 +49,7 @@ class ModelConfig(_Strict):
     cache_dir: Path | None = Field(
         None, description="Cache for the embedded model; null = $ONLINE_OPD_CACHE or ~/.cache/online-opd.")
     dtype: Literal["float32", "bfloat16", "float16"] = Field(
-        "bfloat16", description="Weight/activation dtype of target and drafter.")
+        "float32", description="Weight/activation dtype of target and drafter.")
     max_model_len: int = Field(2048, gt=0, description="Longest sequence (prompt + output) in tokens.")
 
     def resolved_cache_dir(self) -> Path:
@@ -152,6 +152,8 @@ class EvalConfig(_Strict):
     temperature: float = Field(0.0, ge=0, description="Sampling temperature; 0 = greedy.")
     baseline: bool = Field(
         True, description="Also measure tokens/s without speculative decoding in the same run.")
+    max_num_seqs: list[int] = Field(
+        [1, 32], min_length=1, description="Concurrency levels (vLLM max_num_seqs) to measure at.")
 
 
 class OnlineOPDConfig(_Strict):
@@ -160,6 +162,10 @@ class OnlineOPDConfig(_Strict):
     model: ModelConfig = Field(default_factory=ModelConfig)
     drafter: DrafterConfig = Field(default_factory=DrafterConfig)
     data: DataConfig = Field(default_factory=DataConfig)
+    bootstrap: TrainerConfig = Field(
+        default_factory=lambda: TrainerConfig(objective="sft", lr=1e-3, num_steps=600,
+                                              output_dir=Path("runs/bootstrap")),
+        description="Offline SFT warm-up of a fresh drafter (`online-opd bootstrap`).")
     trainer: TrainerConfig = Field(default_factory=TrainerConfig)
     eval: EvalConfig = Field(default_factory=EvalConfig)
     engine: dict[str, Any] = Field(

@@ -5,9 +5,10 @@ from __future__ import annotations
 from torch import nn
 
 from online_opd.drafters.dflash import DFlashDrafter
+from online_opd.drafters.eagle3 import Eagle3Drafter
 
-DRAFTERS: dict[str, type[nn.Module]] = {"dflash": DFlashDrafter}
-ARCHITECTURES: dict[str, str] = {"DFlashDraftModel": "dflash"}
+DRAFTERS: dict[str, type[nn.Module]] = {"dflash": DFlashDrafter, "eagle3": Eagle3Drafter}
+ARCHITECTURES: dict[str, str] = {"DFlashDraftModel": "dflash", "LlamaForCausalLMEagle3": "eagle3"}
 
 
 def register(method: str, architecture: str, cls: type[nn.Module]) -> None:

@@ -1,0 +1,201 @@
+"""Record schema: what the serving engine captures per finished request.
+
+A ``SequenceRecord`` holds the token ids of one request (prompt + output),
+its sampling parameters, the drafter version that drafted it, and one
+``BlockRecord`` per drafted block the target verified (DESIGN.md "Block
+record" / "Sequence record"). ``check_fidelity`` tests the capture-fidelity
+contract that every record must satisfy before it is trained on.
+
+Scheduler events (``SequenceRecord.events``) are JSON dicts that mark a break
+in the block chain. Shape::
+
+    {"anchor_before": int,   # required: anchor of the last block before the break
+     "kind": str,            # optional: "preemption", "end", ...
+     ...}                    # any other JSON-friendly keys, kept as they are
+
+Across a marked break (between the block whose anchor is ``anchor_before`` and
+the block after it) anchors must still strictly increase, but the next anchor
+need not be ``a + r + 1``.
+
+What lives elsewhere: capture (vllm_patches/), storage (online_opd/buffer),
+replay of records into training tensors (online_opd/replay.py).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+
+@dataclass(frozen=True)
+class BlockRecord:
+    """One drafted block: drafted at ``anchor``, verified by the target."""
+
+    anchor: int  # index of the last verified token when the block was drafted
+    draft_tokens: tuple[int, ...]  # [K] proposed ids for positions anchor+1 .. anchor+K
+    num_accepted: int  # r, 0 <= r <= K, as decided by the verifier
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "anchor": self.anchor,
+            "draft_tokens": list(self.draft_tokens),
+            "num_accepted": self.num_accepted,
+        }
+
+    @classmethod
+    def from_dict(cls, data: Any, where: str = "block") -> "BlockRecord":
+        """Parse a dict from ``to_dict``; ValueError names the bad field."""
+        data = _require_dict(data, where)
+        return cls(
+            anchor=_int_field(data, "anchor", where),
+            draft_tokens=_token_tuple(data, "draft_tokens", where),
+            num_accepted=_int_field(data, "num_accepted", where),
+        )
+
+
+@dataclass(frozen=True)
+class SequenceRecord:
+    """One finished request sampled for logging: token ids only, no text."""
+
+    record_id: str
+    model_id: str
+    drafter_version: str
+    temperature: float
+    top_p: float
+    top_k: int  # 0 = off
+    tokens: tuple[int, ...]  # [T] prompt + output ids
+    prompt_len: int
+    blocks: tuple[BlockRecord, ...]  # in drafting order
+    events: tuple[dict, ...] = ()  # chain breaks, see the module docstring
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "record_id": self.record_id,
+            "model_id": self.model_id,
+            "drafter_version": self.drafter_version,
+            "temperature": self.temperature,
+            "top_p": self.top_p,
+            "top_k": self.top_k,
+            "tokens": list(self.tokens),
+            "prompt_len": self.prompt_len,
+            "blocks": [b.to_dict() for b in self.blocks],
+            "events": [dict(e) for e in self.events],
+        }
+
+    @classmethod
+    def from_dict(cls, data: Any) -> "SequenceRecord":
+        """Parse a dict from ``to_dict``; ValueError names the bad field."""
+        data = _require_dict(data, "record")
+        blocks = _field(data, "blocks", "record")
+        if not isinstance(blocks, (list, tuple)):
+            raise ValueError(f"record.blocks must be a list, got {type(blocks).__name__}")
+        return cls(
+            record_id=_str_field(data, "record_id"),
+            model_id=_str_field(data, "model_id"),
+            drafter_version=_str_field(data, "drafter_version"),
+            temperature=_float_field(data, "temperature"),
+            top_p=_float_field(data, "top_p"),
+            top_k=_int_field(data, "top_k", "record"),
+            tokens=_token_tuple(data, "tokens", "record"),
+            prompt_len=_int_field(data, "prompt_len", "record"),
+            blocks=tuple(BlockRecord.from_dict(b, f"record.blocks[{i}]") for i, b in enumerate(blocks)),
+            events=_events(data.get("events", ())),
+        )
+
+
+def _require_dict(data: Any, where: str) -> dict:
+    if not isinstance(data, dict):
+        raise ValueError(f"{where} must be a dict, got {type(data).__name__}")
+    return data
+
+
+def _field(data: dict, name: str, where: str) -> Any:
+    if name not in data:
+        raise ValueError(f"{where}.{name} is missing")
+    return data[name]
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _int_field(data: dict, name: str, where: str) -> int:
+    value = _field(data, name, where)
+    if not _is_int(value):
+        raise ValueError(f"{where}.{name} must be an int, got {value!r}")
+    return value
+
+
+def _str_field(data: dict, name: str) -> str:
+    value = _field(data, name, "record")
+    if not isinstance(value, str):
+        raise ValueError(f"record.{name} must be a str, got {value!r}")
+    return value
+
+
+def _float_field(data: dict, name: str) -> float:
+    value = _field(data, name, "record")
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ValueError(f"record.{name} must be a number, got {value!r}")
+    return float(value)
+
+
+def _token_tuple(data: dict, name: str, where: str) -> tuple[int, ...]:
+    value = _field(data, name, where)
+    if not isinstance(value, (list, tuple)) or not all(_is_int(t) and t >= 0 for t in value):
+        raise ValueError(f"{where}.{name} must be a list of non-negative ints")
+    return tuple(value)
+
+
+def _events(value: Any) -> tuple[dict, ...]:
+    if not isinstance(value, (list, tuple)):
+        raise ValueError(f"record.events must be a list, got {type(value).__name__}")
+    for i, event in enumerate(value):
+        if not isinstance(event, dict) or not _is_int(event.get("anchor_before")):
+            raise ValueError(f"record.events[{i}] must be a dict with an int 'anchor_before'")
+    return tuple(dict(e) for e in value)
+
+
+def check_fidelity(record: SequenceRecord) -> list[str]:
+    """Violations of the capture-fidelity contract; an empty list means OK.
+
+    Per block (a = anchor, d = draft_tokens, r = num_accepted, K = len(d)):
+    prompt_len - 1 <= a < len(tokens); 0 <= r <= K; the accepted drafts are
+    the tokens that follow the anchor, ``tokens[a+1 : a+1+r] == d[:r]``
+    (compared where the sequence still has tokens: a request that stops on
+    eos or max_tokens drops the rest of its last block); at temperature 0
+    and r < K the token after them is the target's correction,
+    ``tokens[a+1+r] != d[r]`` (when that position exists). Between blocks:
+    anchors strictly increase and the next anchor is ``a + r + 1``, except
+    across a break marked in ``events``.
+    """
+    errors: list[str] = []
+    for i, block in enumerate(record.blocks):
+        errors += [f"blocks[{i}]: {e}" for e in _block_errors(record, block)]
+    breaks = {event["anchor_before"] for event in record.events}
+    for i, (prev, block) in enumerate(zip(record.blocks, record.blocks[1:]), start=1):
+        if block.anchor <= prev.anchor:
+            errors.append(f"blocks[{i}]: anchor {block.anchor} does not exceed previous anchor {prev.anchor}")
+        elif prev.anchor not in breaks and block.anchor != prev.anchor + prev.num_accepted + 1:
+            errors.append(
+                f"blocks[{i}]: anchor {block.anchor} != previous anchor + r + 1 = "
+                f"{prev.anchor + prev.num_accepted + 1}"
+            )
+    return errors
+
+
+def _block_errors(record: SequenceRecord, block: BlockRecord) -> list[str]:
+    """Violations within one block (see ``check_fidelity``)."""
+    tokens, a, r, draft = record.tokens, block.anchor, block.num_accepted, block.draft_tokens
+    if not (record.prompt_len - 1 <= a < len(tokens)):
+        return [f"anchor {a} outside [prompt_len - 1, len(tokens)) = [{record.prompt_len - 1}, {len(tokens)})"]
+    if not (0 <= r <= len(draft)):
+        return [f"num_accepted {r} outside 0..K={len(draft)}"]
+    errors = []
+    accepted = tokens[a + 1 : a + 1 + r]  # shorter than r only when the sequence ended
+    if accepted != draft[: len(accepted)]:
+        errors.append(f"accepted tokens {list(accepted)} != draft_tokens[:{r}] {list(draft[: len(accepted)])}")
+    if record.temperature == 0 and r < len(draft) and a + 1 + r < len(tokens):
+        if tokens[a + 1 + r] == draft[r]:
+            errors.append(f"greedy: token after {r} accepted equals the rejected draft token {draft[r]}")
+    return errors

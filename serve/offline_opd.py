@@ -1,0 +1,65 @@
+"""`online-opd rollout` and `online-opd train --records`: offline Draft-OPD.
+
+`rollout` produces T=0 speculative-decoding records of a drafter on target
+rollouts (vLLM generates the greedy tokens; the blocks and accept counts
+follow exactly from them, see `online_opd.rollout`). `train` runs the
+configured objective on any folder of records, including captured ones.
+"""
+
+from __future__ import annotations
+
+import logging
+import uuid
+from pathlib import Path
+
+import torch
+
+from online_opd.config import OnlineOPDConfig
+from online_opd.drafters.checkpoint import read_manifest, save_drafter
+from online_opd.records import SequenceRecord
+from online_opd.rollout import acceptance_length, greedy_blocks
+from online_opd.train.loop import train
+from online_opd.train.opd import opd_step_fn, read_records, write_records
+from serve.pipeline import load_serving_drafter, prepare_sequences, resolve_target
+
+logger = logging.getLogger(__name__)
+
+
+def record_rollouts(cfg: OnlineOPDConfig, drafter_path: Path, out: Path, *, progress: bool = True) -> dict:
+    target = resolve_target(cfg, progress=progress)
+    drafter, _ = load_serving_drafter(drafter_path, target)
+    sequences = prepare_sequences(cfg, target, out / "work", drafter.target_layer_ids, progress=progress)
+    version = read_manifest(drafter_path).get("version", drafter_path.name)
+    records, per_seq = [], []
+    for seq in sequences:
+        blocks = greedy_blocks(drafter, seq)
+        per_seq.append(blocks)
+        records.append(SequenceRecord(
+            record_id=uuid.uuid4().hex, model_id=str(target.name), drafter_version=version,
+            temperature=0.0, top_p=1.0, top_k=0, tokens=tuple(seq.tokens.tolist()),
+            prompt_len=seq.prompt_len, blocks=tuple(blocks)))
+    write_records(out / "records-00000.jsonl", records)
+    return {"records": str(out), "num_records": len(records),
+            "num_blocks": sum(len(b) for b in per_seq),
+            "simulated_acceptance_length": round(acceptance_length(per_seq), 4)}
+
+
+def train_on_records(cfg: OnlineOPDConfig, records_dir: Path, init: Path | None, run_dir: Path,
+                     *, progress: bool = True) -> Path:
+    if init is None:
+        raise ValueError("train needs a drafter to start from: --init PATH or drafter.init_from")
+    records, skipped = read_records(records_dir)
+    if skipped:
+        logger.warning("%s: skipped %d malformed record lines", records_dir, skipped)
+    if not records:
+        raise ValueError(f"{records_dir}: no usable records")
+    target = resolve_target(cfg, progress=progress)
+    drafter, target_model = load_serving_drafter(init, target)
+    if cfg.trainer.num_threads:
+        torch.set_num_threads(cfg.trainer.num_threads)
+    step_fn = opd_step_fn(target_model, drafter, records, cfg.trainer)
+    last = train(step_fn, drafter, cfg.trainer, run_dir, progress=progress,
+                 desc=f"train ({cfg.trainer.objective})")
+    parent = read_manifest(init).get("version")
+    return save_drafter(drafter, run_dir / "drafter", parent_version=parent, step=last,
+                        metrics={"objective": cfg.trainer.objective, "num_records": len(records)})

@@ -1,0 +1,124 @@
+"""DFlash drafter: block semantics, checkpoint round trip, and bad checkpoints."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from online_opd.drafters.checkpoint import (
+    CheckpointError,
+    load_drafter,
+    read_manifest,
+    save_drafter,
+    verify_checkpoint,
+)
+from online_opd.drafters.dflash import block_attention_mask
+from online_opd.drafters.factory import default_target_layer_ids
+from tests.tiny import VOCAB, tiny_drafter, tiny_target
+
+
+@pytest.fixture(scope="module")
+def target():
+    return tiny_target()
+
+
+@pytest.fixture(scope="module")
+def features(target):
+    tokens = torch.randint(0, VOCAB - 1, (40,), generator=torch.Generator().manual_seed(1))
+    return tokens, target.forward(tokens, layer_ids=(0, 2)).aux_hidden
+
+
+def test_block_mask_sees_context_before_anchor_and_own_block():
+    mask = block_attention_mask(torch.tensor([2, 4]), num_ctx=5, width=2)
+    assert mask.shape == (4, 5 + 4)
+    assert mask[0, :5].tolist() == [True, True, False, False, False]
+    assert mask[2, :5].tolist() == [True, True, True, True, False]
+    assert mask[:, 5:].tolist() == [[True, True, False, False], [True, True, False, False],
+                                    [False, False, True, True], [False, False, True, True]]
+
+
+def test_packed_blocks_equal_single_blocks(target, features):
+    tokens, aux = features
+    drafter = tiny_drafter(target)
+    anchors = torch.tensor([5, 11, 20, 33])
+    packed = drafter(aux, anchors, tokens[anchors])
+    assert packed.shape == (4, drafter.cfg.block_size, VOCAB)
+    for i, a in enumerate(anchors.tolist()):
+        single = drafter(aux[:a], anchors[i : i + 1], tokens[a : a + 1])
+        torch.testing.assert_close(packed[i], single[0], atol=1e-5, rtol=1e-5)
+
+
+def test_draft_ignores_context_at_and_after_anchor(target, features):
+    tokens, aux = features
+    drafter = tiny_drafter(target)
+    anchor = torch.tensor([15])
+    noisy = aux.clone()
+    noisy[15:] += torch.randn_like(noisy[15:])
+    torch.testing.assert_close(drafter(aux, anchor, tokens[anchor]), drafter(noisy, anchor, tokens[anchor]))
+    changed = aux.clone()
+    changed[14] += 1.0
+    assert not torch.allclose(drafter(aux, anchor, tokens[anchor]), drafter(changed, anchor, tokens[anchor]))
+
+
+def test_save_load_round_trip_is_exact(tmp_path, target, features):
+    tokens, aux = features
+    drafter = tiny_drafter(target, seed=3)
+    path = save_drafter(drafter, tmp_path / "v1", version="v1", step=7, metrics={"tau": 1.5})
+    loaded = load_drafter(path)
+    loaded.attach_target(target.embed_weight, target.lm_head_weight)
+    anchors = torch.tensor([3, 9, 27])
+    assert torch.equal(drafter(aux, anchors, tokens[anchors]), loaded(aux, anchors, tokens[anchors]))
+    manifest = read_manifest(path)
+    assert manifest["version"] == "v1" and manifest["step"] == 7 and manifest["method"] == "dflash"
+    assert set(manifest["files"]) == {"config.json", "model.safetensors"}
+    hf = json.loads((path / "config.json").read_text())
+    assert hf["architectures"] == ["DFlashDraftModel"]
+    assert hf["dflash_config"] == {"mask_token_id": VOCAB - 1, "target_layer_ids": [0, 2]}
+    stored = load_file(path / "model.safetensors")
+    assert not any("embed" in k or "lm_head" in k for k in stored), "shared tensors must not be saved"
+    assert not list(tmp_path.glob(".v1.tmp-*")), "no temporary folder left behind"
+
+
+def _corrupt(path, mutate):
+    tensors = load_file(path / "model.safetensors")
+    mutate(tensors)
+    save_file(tensors, path / "model.safetensors")
+
+
+def test_missing_tensor_is_named(tmp_path):
+    path = save_drafter(tiny_drafter(), tmp_path / "d")
+    _corrupt(path, lambda t: t.pop("layers.0.mlp.up_proj.weight"))
+    with pytest.raises(CheckpointError, match="layers.0.mlp.up_proj.weight"):
+        load_drafter(path, verify_hashes=False)
+
+
+def test_wrong_shape_is_named(tmp_path):
+    path = save_drafter(tiny_drafter(), tmp_path / "d")
+    _corrupt(path, lambda t: t.__setitem__("fc.weight", torch.zeros(3, 3)))
+    with pytest.raises(CheckpointError, match=r"fc.weight.*\(3, 3\)"):
+        load_drafter(path, verify_hashes=False)
+
+
+def test_hash_mismatch_and_truncation_are_refused(tmp_path):
+    path = save_drafter(tiny_drafter(), tmp_path / "d")
+    _corrupt(path, lambda t: t["norm.weight"].mul_(2))
+    with pytest.raises(CheckpointError, match="sha256 of model.safetensors"):
+        verify_checkpoint(path)
+    data = (path / "model.safetensors").read_bytes()
+    (path / "model.safetensors").write_bytes(data[: len(data) // 2])
+    with pytest.raises(CheckpointError, match="unreadable"):
+        load_drafter(path, verify_hashes=False)
+
+
+def test_not_a_checkpoint(tmp_path):
+    with pytest.raises(CheckpointError, match="not a drafter checkpoint"):
+        load_drafter(tmp_path)
+
+
+def test_default_layer_ids_spread():
+    assert default_target_layer_ids(30) == [1, 8, 14, 20, 27]
+    assert default_target_layer_ids(36) == [1, 9, 17, 25, 33]
+    assert default_target_layer_ids(4) == [1]

@@ -1,0 +1,44 @@
+"""Tiny random models for fast tests (no downloads)."""
+
+from __future__ import annotations
+
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from online_opd.drafters.dflash import DFlashConfig, DFlashDrafter, init_weights
+from online_opd.target_model import TargetModel
+
+VOCAB = 64
+
+
+def tiny_target(seed: int = 0) -> TargetModel:
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=4,
+                      num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+                      tie_word_embeddings=True, max_position_embeddings=512,
+                      initializer_range=0.2)
+    return TargetModel(LlamaForCausalLM(cfg))
+
+
+def tiny_drafter(target: TargetModel | None = None, *, block_size: int = 4, seed: int = 0,
+                 num_layers: int = 1) -> DFlashDrafter:
+    cfg = DFlashConfig(hidden_size=32, num_layers=num_layers, num_heads=4, num_kv_heads=2, head_dim=8,
+                       intermediate_size=64, vocab_size=VOCAB, target_layer_ids=(0, 2),
+                       mask_token_id=VOCAB - 1, block_size=block_size, rms_norm_eps=1e-6,
+                       rope_theta=10000.0, max_position_embeddings=512)
+    drafter = DFlashDrafter(cfg)
+    init_weights(drafter, std=0.2, seed=seed)
+    target = target or tiny_target()
+    drafter.attach_target(target.embed_weight, target.lm_head_weight)
+    return drafter
+
+
+def greedy_sequences(target: TargetModel, num: int = 3, length: int = 40, prompt_len: int = 3):
+    """Target-greedy continuations of a few short prompts, as (tokens, prompt_len)."""
+    out = []
+    for start in range(num):
+        tokens = [start + 1, 7, 11][:prompt_len]
+        for _ in range(length):
+            tokens.append(int(target.forward(torch.tensor(tokens)).logits[-1].argmax()))
+        out.append((torch.tensor(tokens), prompt_len))
+    return out
