@@ -1,0 +1,172 @@
+"""Tests for online_opd.replay: packed replay equals the per-block reference,
+target rows match the real sequence, gradients reach the drafter only."""
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from online_opd.drafters.dflash import DFlashConfig, DFlashDrafter, init_weights
+from online_opd.losses import draft_opd_loss
+from online_opd.records import BlockRecord
+from online_opd.replay import packed_block_mask, replay_sequence, replay_sequence_naive
+from online_opd.specdec import speculative_generate, target_generate
+from online_opd.target_model import TargetModel
+
+K = 4
+PROMPT = [5, 17, 3, 42, 8, 29]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def single_thread():
+    """Tiny models gain nothing from threads; spinning OpenMP threads on a
+    shared machine make them many times slower."""
+    num_threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(num_threads)
+
+
+@pytest.fixture(scope="module")
+def target(single_thread):
+    torch.manual_seed(0)
+    cfg = LlamaConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=3,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=8, tie_word_embeddings=True,
+        initializer_range=0.5,  # peaked logits: greedy decoding does not collapse into a loop
+    )
+    return TargetModel(LlamaForCausalLM(cfg))
+
+
+@pytest.fixture(scope="module")
+def drafter(target):
+    d = DFlashDrafter(DFlashConfig(
+        hidden_size=32, num_layers=1, num_heads=4, num_kv_heads=2, head_dim=8, intermediate_size=64,
+        vocab_size=64, target_layer_ids=(0, 2), mask_token_id=63, block_size=K,
+    ))
+    init_weights(d, seed=1)
+    d.attach_target(target.embed_weight, target.lm_head_weight)
+    return d
+
+
+@pytest.fixture(scope="module")
+def hand_made(target):
+    """Greedy target sequence with chained blocks of r = 2, 0, K, 1, K (the last runs past T)."""
+    tokens = target_generate(target, PROMPT, 14)  # T = 20
+    blocks, anchor = [], len(PROMPT)
+    for r in (2, 0, K, 1, K):
+        truth = (tokens[anchor + 1 : anchor + 1 + K] + [7] * K)[:K]
+        draft = truth[:r] + [(t + 1) % 64 for t in truth[r:]]  # wrong from position r + 1 on
+        blocks.append(BlockRecord(anchor=anchor, draft_tokens=tuple(draft), num_accepted=r))
+        anchor += r + 1
+    assert blocks[-1].anchor + K >= len(tokens)
+    return torch.tensor(tokens), blocks
+
+
+def _assert_same(packed, naive):
+    torch.testing.assert_close(packed.target_logits, naive.target_logits, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(packed.draft_logits, naive.draft_logits, atol=1e-4, rtol=1e-4)
+    assert torch.equal(packed.num_accepted, naive.num_accepted)
+
+
+def test_packed_equals_naive_on_hand_made_blocks(target, drafter, hand_made):
+    tokens, blocks = hand_made
+    packed = replay_sequence(target, drafter, tokens, blocks)
+    assert packed.target_logits.shape == packed.draft_logits.shape == (len(blocks), K, 64)
+    _assert_same(packed, replay_sequence_naive(target, drafter, tokens, blocks))
+
+
+class NoisyOracle:
+    """Drafts the target's greedy continuation, wrong from position 2, 0, K (never), 1, 3, 2, ... on."""
+
+    target_layer_ids = (0, 2)
+    pattern = (2, 0, K, 1, 3)
+
+    def __init__(self, continuation):
+        self.continuation = list(continuation) + [0] * K
+        self.num_calls = 0
+
+    def propose(self, aux_hidden, anchors, anchor_tokens):  # -> [1, K]
+        a = int(anchors[0])
+        draft = self.continuation[a + 1 : a + 1 + K]
+        bad = self.pattern[self.num_calls % len(self.pattern)]
+        self.num_calls += 1
+        return torch.tensor([draft[:bad] + [(t + 1) % 64 for t in draft[bad:]]])
+
+
+@pytest.mark.parametrize("source", ["dflash_sampled", "noisy_oracle_greedy"])
+def test_packed_equals_naive_on_spec_decode_blocks(target, drafter, source):
+    if source == "dflash_sampled":
+        gen = torch.Generator().manual_seed(0)
+        result = speculative_generate(target, drafter, PROMPT, max_new_tokens=30, temperature=1.0, generator=gen)
+    else:
+        oracle = NoisyOracle(target_generate(target, PROMPT, 40))
+        result = speculative_generate(target, oracle, PROMPT, max_new_tokens=30)
+        assert {0, K} <= {b.num_accepted for b in result.blocks}
+        assert any(0 < b.num_accepted < K for b in result.blocks)
+    tokens = torch.tensor(result.tokens)
+    assert len(result.blocks) >= 3
+    _assert_same(
+        replay_sequence(target, drafter, tokens, result.blocks),
+        replay_sequence_naive(target, drafter, tokens, result.blocks),
+    )
+
+
+def test_target_rows_on_the_verified_prefix_match_the_sequence(target, drafter, hand_made):
+    tokens, blocks = hand_made
+    full = target.forward(tokens).logits  # [T, vocab]
+    packed = replay_sequence(target, drafter, tokens, blocks)
+    for m, block in enumerate(blocks):
+        for k in range(1, min(block.num_accepted + 1, K) + 1):  # prefix x_<=a, d_<k is verified
+            pos = block.anchor + k - 1
+            if pos < len(tokens):
+                torch.testing.assert_close(packed.target_logits[m, k - 1], full[pos], atol=1e-4, rtol=1e-4)
+
+
+def test_packed_mask_by_hand():
+    mask = packed_block_mask(torch.tensor([1, 2]), num_tokens=3, num_appended=2)
+    expected = torch.tensor([
+        [1, 0, 0, 0, 0, 0, 0],  # sequence: causal
+        [1, 1, 0, 0, 0, 0, 0],
+        [1, 1, 1, 0, 0, 0, 0],
+        [1, 1, 0, 1, 0, 0, 0],  # block 0 (anchor 1): positions <= 1, own block causally
+        [1, 1, 0, 1, 1, 0, 0],
+        [1, 1, 1, 0, 0, 1, 0],  # block 1 (anchor 2)
+        [1, 1, 1, 0, 0, 1, 1],
+    ], dtype=torch.bool)
+    assert torch.equal(mask, expected)
+
+
+def test_gradients_reach_the_drafter_only(target, drafter, hand_made):
+    tokens, blocks = hand_made
+    drafter.zero_grad(set_to_none=True)
+    batch = replay_sequence(target, drafter, tokens, blocks)
+    assert not batch.target_logits.requires_grad
+    draft_opd_loss(batch.target_logits, batch.draft_logits, batch.num_accepted).loss.backward()
+    grads = {n: p.grad for n, p in drafter.named_parameters()}
+    assert all(g is not None and torch.isfinite(g).all() for g in grads.values())
+    assert grads["fc.weight"].abs().sum() > 0 and grads["layers.0.mlp.down_proj.weight"].abs().sum() > 0
+    assert all(p.grad is None and not p.requires_grad for p in target.model.parameters())
+    naive_grads = _naive_grads(target, drafter, tokens, blocks)
+    for name, grad in grads.items():
+        torch.testing.assert_close(grad, naive_grads[name], atol=1e-5, rtol=1e-4)
+    drafter.zero_grad(set_to_none=True)
+
+
+def _naive_grads(target, drafter, tokens, blocks):
+    drafter.zero_grad(set_to_none=True)
+    batch = replay_sequence_naive(target, drafter, tokens, blocks)
+    draft_opd_loss(batch.target_logits, batch.draft_logits, batch.num_accepted).loss.backward()
+    return {n: p.grad.clone() for n, p in drafter.named_parameters()}
+
+
+@pytest.mark.parametrize(
+    "block, match",
+    [
+        (BlockRecord(anchor=3, draft_tokens=(1, 2, 3), num_accepted=0), "draft tokens"),
+        (BlockRecord(anchor=99, draft_tokens=(1, 2, 3, 4), num_accepted=0), "anchor"),
+        (BlockRecord(anchor=3, draft_tokens=(1, 2, 3, 4), num_accepted=5), "num_accepted"),
+    ],
+)
+def test_bad_blocks_raise(target, drafter, block, match):
+    with pytest.raises(ValueError, match=match):
+        replay_sequence(target, drafter, torch.tensor(PROMPT), [block])
