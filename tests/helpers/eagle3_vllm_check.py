@@ -1,0 +1,183 @@
+"""Serve a `save_drafter` EAGLE-3 checkpoint with vLLM's CPU engine and check it.
+
+Usage: python eagle3_vllm_check.py TARGET_DIR OUT_DIR  (writes OUT_DIR/result.json)
+
+A randomly initialised drafter (std 0.2, so its own layers move the drafts)
+is first overfit for a few Adam steps on the target's greedy continuation of
+the prompt, so that vLLM accepts some of its drafts. Runs the engine in this
+process (VLLM_ENABLE_V1_MULTIPROCESSING=0), wraps the worker's EAGLE proposer
+to record every (anchor, drafts) it proposes, then recomputes the same drafts with `Eagle3Drafter.propose` on the HF target's
+aux hidden states of the final sequence. Also checks the speculative output
+against the target's own greedy choice at every position (teacher-forced
+HF forward; near-ties within 1e-4 accepted), vLLM's spec counters against
+the acceptance predicted from the drafts, and that the target's aux layers
+are the ones written in config.json.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+
+os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
+
+import torch  # noqa: E402
+
+K = 3
+MAX_TOKENS = 32
+TRAIN_STEPS = 20
+PROMPT = [{"role": "user", "content": "Write a short poem about the sea."}]
+
+
+def _install_hook(worker):
+    drafter = worker.model_runner.drafter
+    records = worker._eagle3_records = []
+    original = drafter.propose
+
+    def propose(*args, **kwargs):
+        out = original(*args, **kwargs)
+        positions = kwargs["target_positions"]
+        idx = kwargs["token_indices_to_sample"]
+        if idx is None:
+            idx = kwargs["common_attn_metadata"].query_start_loc[1:] - 1
+        records.append({
+            "anchors": (positions[idx.long()] + 1).tolist(),
+            "anchor_tokens": kwargs["next_token_ids"].tolist(),
+            "drafts": out.tolist(),
+        })
+        return out
+
+    drafter.propose = propose
+    return {
+        "proposer": type(drafter).__name__,
+        "model": type(drafter.model).__name__,
+        "aux_layers": list(worker.model_runner.model.model.aux_hidden_state_layers),
+    }
+
+
+def _records(worker):
+    return worker._eagle3_records
+
+
+def overfit(drafter, target_model, prompt, steps: int = TRAIN_STEPS) -> None:
+    """A few Adam steps of block cross-entropy on the target's own greedy
+    continuation of `prompt`, so that vLLM accepts some drafts (the
+    accepted-token paths of the proposer get exercised, not just rejections)."""
+    import torch.nn.functional as F
+
+    with torch.no_grad():
+        seq = target_model.model.generate(torch.tensor([prompt]), max_new_tokens=MAX_TOKENS,
+                                          do_sample=False)[0]
+        aux = target_model.forward(seq, tuple(drafter.target_layer_ids)).aux_hidden
+    anchors = torch.arange(len(prompt), len(seq) - 1)
+    idx = anchors[:, None] + 1 + torch.arange(K)[None, :]
+    labels = torch.where(idx < len(seq), seq[idx.clamp(max=len(seq) - 1)], -100)
+    opt = torch.optim.Adam(drafter.parameters(), lr=1e-3)
+    for _ in range(steps):
+        logits = drafter(aux, anchors, seq[anchors], token_ids=seq)
+        loss = F.cross_entropy(logits.flatten(0, 1), labels.flatten(), ignore_index=-100)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    drafter.zero_grad(set_to_none=True)
+
+
+def main(target: str, out_dir: str) -> None:
+    from transformers import AutoConfig, AutoTokenizer
+
+    from online_opd.config import DrafterConfig
+    from online_opd.drafters.checkpoint import load_drafter, save_drafter
+    from online_opd.drafters.dflash import init_weights
+    from online_opd.drafters.eagle3 import Eagle3Drafter
+    from online_opd.target_model import TargetModel
+    from serve.engine import chat_prompt_ids, generate, make_llm, shutdown, spec_counters
+
+    out = Path(out_dir)
+    tokenizer = AutoTokenizer.from_pretrained(target)
+    prompt = chat_prompt_ids(tokenizer, [PROMPT])[0]
+    target_model = TargetModel.from_pretrained(target)
+    drafter = Eagle3Drafter.from_target(
+        DrafterConfig(method="eagle3", block_size=K, seed=0), AutoConfig.from_pretrained(target))
+    # std 0.2 instead of 0.02: the drafter's own layers then move its drafts,
+    # so the K steps of a block differ and the chain is really compared
+    init_weights(drafter, std=0.2, seed=0)
+    drafter.attach_target(target_model.embed_weight, target_model.lm_head_weight)
+    overfit(drafter, target_model, prompt)
+    ckpt = save_drafter(drafter, out / "eagle3-drafter")
+
+    llm = make_llm(target, dtype="float32", max_model_len=512, drafter=ckpt,
+                   num_speculative_tokens=K, method="eagle3")
+    info = llm.collective_rpc(_install_hook)[0]
+    before = spec_counters(llm)
+    gen = generate(llm, [prompt], max_tokens=MAX_TOKENS, progress=False)[0]
+    spec = spec_counters(llm) - before
+    records = llm.collective_rpc(_records)[0]
+    shutdown(llm)
+
+    # HF side: target aux states and greedy choices on the final sequence
+    seq = torch.tensor(gen.prompt_ids + gen.output_ids)
+    served = load_drafter(ckpt)
+    served.attach_target(target_model.embed_weight, target_model.lm_head_weight)
+    tout = target_model.forward(seq, tuple(served.target_layer_ids))
+    logits = tout.logits
+    p = len(gen.prompt_ids)
+    greedy_ok = []
+    for i, tok in enumerate(gen.output_ids):
+        row = logits[p - 1 + i]
+        greedy_ok.append(bool(row[tok] >= row.max() - 1e-4))
+
+    compared = matched = blocks = blocks_matched = predicted_accepted = 0
+    chain_ok, prev_next = True, None
+    details = []
+    for rec in records:
+        for a, tok, drafts in zip(rec["anchors"], rec["anchor_tokens"], rec["drafts"]):
+            if a >= len(seq):  # bonus token beyond the returned output
+                continue
+            assert int(seq[a]) == tok, (a, int(seq[a]), tok)
+            # greedy verification: the next anchor follows from the accepted prefix
+            chain_ok &= prev_next is None or a == prev_next
+            accepted = 0
+            while accepted < K and a + 1 + accepted < len(seq) and \
+                    drafts[accepted] == int(seq[a + 1 + accepted]):
+                accepted += 1
+            predicted_accepted += accepted
+            prev_next = a + accepted + 1
+            ours = served.propose(tout.aux_hidden[:a], torch.tensor([a]), seq[[a]], seq[:a])[0]
+            hits = [int(x) == y for x, y in zip(ours.tolist(), drafts)]
+            compared += len(hits)
+            matched += sum(hits)
+            blocks += 1
+            blocks_matched += all(hits)
+            details.append({"anchor": a, "vllm": drafts, "ours": ours.tolist(),
+                            "accepted": accepted})
+
+    result = {
+        "k": K,
+        "info": info,
+        "config_aux_ids": json.loads((ckpt / "config.json").read_text())[
+            "eagle_aux_hidden_state_layer_ids"],
+        "num_output_tokens": len(gen.output_ids),
+        "output_ids": gen.output_ids,
+        "output_text": tokenizer.decode(gen.output_ids),
+        "output_is_target_greedy": all(greedy_ok),
+        "spec": {"num_drafts": spec.num_drafts, "num_draft_tokens": spec.num_draft_tokens,
+                 "num_accepted_tokens": spec.num_accepted_tokens},
+        "num_compared": compared,
+        "anchor_chain_ok": bool(chain_ok),
+        "predicted_accepted": predicted_accepted,
+        "draft_match_rate": matched / max(compared, 1),
+        "block_match_rate": blocks_matched / max(blocks, 1),
+        "blocks_varying": sum(len(set(d["vllm"])) > 1 for d in details) / max(len(details), 1),
+        "details": details,
+    }
+    (out / "result.json").write_text(json.dumps(result, indent=2))
+    print(json.dumps({k: v for k, v in result.items() if k not in ("details", "output_ids")},
+                     indent=2))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], sys.argv[2])
