@@ -125,7 +125,7 @@ def replay_sequence(
     block_size = drafter.cfg.block_size
     anchors, drafts, num_accepted = _block_tensors(blocks, tokens.shape[0], block_size, tokens.device)
     target_logits, aux = packed_target_forward(target, tokens, anchors, drafts, tuple(drafter.target_layer_ids))
-    draft_logits = drafter(aux, anchors, tokens[anchors])  # [M, K, vocab]
+    draft_logits = drafter(aux, anchors, tokens[anchors], tokens)  # [M, K, vocab]
     return ReplayBatch(target_logits, draft_logits, num_accepted)
 
 
@@ -146,5 +146,5 @@ def replay_sequence_naive(
         out = target.forward(seq, layer_ids, logits_at=logits_at)  # logits: [K, vocab]
         target_rows.append(out.logits)
         anchor_t = torch.tensor([anchor], device=tokens.device)
-        draft_rows.append(drafter(out.aux_hidden[: anchor + 1], anchor_t, tokens[anchor_t])[0])
+        draft_rows.append(drafter(out.aux_hidden[: anchor + 1], anchor_t, tokens[anchor_t], tokens)[0])
     return ReplayBatch(torch.stack(target_rows), torch.stack(draft_rows), num_accepted)

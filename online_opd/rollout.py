@@ -25,7 +25,7 @@ def propose_all(drafter, seq: TrainSequence, anchors: torch.Tensor, chunk: int =
     for lo in range(0, len(anchors), chunk):
         part = anchors[lo:lo + chunk]
         context = seq.aux_hidden[: int(part.max())]
-        out.append(drafter.propose(context, part, seq.tokens[part]))
+        out.append(drafter.propose(context, part, seq.tokens[part], seq.tokens))
     return torch.cat(out) if out else torch.zeros(0, drafter.cfg.block_size, dtype=torch.int64)
 
 

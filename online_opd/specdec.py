@@ -176,7 +176,8 @@ def _draft_and_verify(
     device, layer_ids = target.embed_weight.device, tuple(drafter.target_layer_ids)
     anchor = len(tokens) - 1
     anchor_t = torch.tensor([anchor], device=device)
-    draft = drafter.propose(aux[:anchor], anchor_t, torch.tensor([tokens[anchor]], device=device))[0]  # [K]
+    draft = drafter.propose(aux[:anchor], anchor_t, torch.tensor([tokens[anchor]], device=device),
+                            torch.tensor(tokens, device=device))[0]  # [K]
     draft = draft.to(device)
     num_draft = draft.shape[0]
     seq = torch.cat([torch.tensor(tokens, device=device), draft])

@@ -99,7 +99,7 @@ def bootstrap(cfg: OnlineOPDConfig, run_dir: Path, *, progress: bool = True) -> 
     (run_dir / "config.json").write_text(json.dumps(cfg.model_dump(mode="json"), indent=2))
     target = resolve_target(cfg, progress=progress)
     target_model = TargetModel.from_pretrained(target, dtype=torch.float32)
-    drafter = new_drafter(cfg.drafter, target_model.config, load_tokenizer(target))
+    drafter = new_drafter(cfg.drafter, target_model.config, load_tokenizer(target), target_model)
     drafter.attach_target(target_model.embed_weight, target_model.lm_head_weight)
     del target_model
     sequences = prepare_sequences(cfg, target, run_dir, drafter.target_layer_ids, progress=progress)

@@ -58,7 +58,7 @@ def test_shipped_config_values():
 def test_defaults_without_file():
     cfg = load_config()
     assert cfg == OnlineOPDConfig()
-    assert cfg.model.target is None and cfg.model.dtype == "bfloat16"
+    assert cfg.model.target is None and cfg.model.dtype == "float32"
     assert (cfg.drafter.method, cfg.drafter.block_size) == ("dflash", 8)
     assert cfg.trainer.objective == "draft_opd" and cfg.trainer.betas == (0.9, 0.95)
     assert cfg.trainer.output_dir == Path("runs/train")

@@ -85,7 +85,7 @@ class NoisyOracle:
         self.continuation = list(continuation) + [0] * K
         self.num_calls = 0
 
-    def propose(self, aux_hidden, anchors, anchor_tokens):  # -> [1, K]
+    def propose(self, aux_hidden, anchors, anchor_tokens, token_ids=None):  # -> [1, K]
         a = int(anchors[0])
         draft = self.continuation[a + 1 : a + 1 + K]
         bad = self.pattern[self.num_calls % len(self.pattern)]

@@ -37,7 +37,7 @@ def test_perfect_agreement_accepts_whole_blocks():
     class Oracle:  # proposes the true continuation: every block fully accepted
         cfg = drafter.cfg
 
-        def propose(self, _aux, anchors, _tokens):
+        def propose(self, _aux, anchors, _tokens, _token_ids=None):
             return torch.stack([seq.tokens[a + 1 : a + 4] if a + 4 <= 29 else
                                 torch.cat([seq.tokens[a + 1 :], torch.zeros(a + 4 - 29, dtype=torch.int64)])
                                 for a in anchors.tolist()])

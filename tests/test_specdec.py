@@ -67,7 +67,7 @@ class OracleDrafter:
             rows.append(torch.nn.functional.one_hot(torch.tensor(ids), self.vocab_size).float() * 100)
         return torch.stack(rows)
 
-    def propose(self, aux_hidden, anchors, anchor_tokens):  # -> [M, K]
+    def propose(self, aux_hidden, anchors, anchor_tokens, token_ids=None):  # -> [M, K]
         return self.forward(aux_hidden, anchors, anchor_tokens).argmax(-1)
 
 

@@ -190,8 +190,10 @@ class DFlashDrafter(nn.Module):
         aux_hidden: torch.Tensor,  # [T, len(target_layer_ids) * hidden], positions 0..T-1
         anchors: torch.Tensor,  # [M] int64, 1 <= a <= T
         anchor_tokens: torch.Tensor,  # [M] int64, token id at each anchor
+        token_ids: torch.Tensor | None = None,  # [>= T] unused: DFlash reads only features
     ) -> torch.Tensor:
-        """Draft logits [M, K, vocab] for positions a+1 .. a+K of every anchor."""
+        """Draft logits [M, K, vocab] for positions a+1 .. a+K of every anchor.
+        `token_ids` keeps the signature shared with EAGLE-3, which needs them."""
         if self.embed_weight is None:
             raise RuntimeError("attach_target(embed, lm_head) before running the drafter")
         cfg, num_blocks, width = self.cfg, anchors.shape[0], self.cfg.block_size + 1
@@ -220,9 +222,10 @@ class DFlashDrafter(nn.Module):
         aux_hidden: torch.Tensor,  # [T, features]
         anchors: torch.Tensor,  # [M]
         anchor_tokens: torch.Tensor,  # [M]
+        token_ids: torch.Tensor | None = None,  # [>= T]
     ) -> torch.Tensor:
         """Greedy blocks [M, K], as vLLM's DFlash proposer drafts them."""
-        return self(aux_hidden, anchors, anchor_tokens).argmax(-1)
+        return self(aux_hidden, anchors, anchor_tokens, token_ids).argmax(-1)
 
 
 def block_attention_mask(

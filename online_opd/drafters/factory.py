@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import torch
 from torch import nn
 
 from online_opd.config import DrafterConfig
@@ -29,9 +30,10 @@ def choose_mask_token_id(tokenizer) -> int:
     return max(candidates) if candidates else len(tokenizer) - 1
 
 
-def new_drafter(cfg: DrafterConfig, target_config, tokenizer) -> nn.Module:
+def new_drafter(cfg: DrafterConfig, target_config, tokenizer, target_model=None) -> nn.Module:
     """A drafter for `target_config` (a transformers config): from `cfg.init_from`
-    when set, else randomly initialised with `cfg.seed`."""
+    when set, else randomly initialised with `cfg.seed` and, when `target_model`
+    is given, warm-started from the target's weights (`init_from_target`)."""
     if cfg.init_from is not None:
         return load_drafter(cfg.init_from)
     if cfg.method != "dflash":
@@ -57,4 +59,30 @@ def new_drafter(cfg: DrafterConfig, target_config, tokenizer) -> nn.Module:
     )
     drafter = drafter_class("dflash")(dcfg)
     init_weights(drafter, seed=cfg.seed)
+    if target_model is not None:
+        init_from_target(drafter, target_model)
     return drafter
+
+
+@torch.no_grad()
+def init_from_target(drafter: nn.Module, target_model) -> None:
+    """Warm start: the target's final norm (so logits through the shared LM head
+    start at the target's scale), the target layers just after the deepest
+    feature layer for the drafter's layers, and `fc` selecting that deepest
+    feature, so context K/V start as the copied layer would compute them."""
+    layers = target_model.model.model.layers
+    deepest = drafter.cfg.target_layer_ids[-1]
+    drafter.norm.weight.copy_(target_model.model.model.norm.weight)
+    for i, layer in enumerate(drafter.layers):
+        src = layers[min(deepest + 1 + i, len(layers) - 1)]
+        for name in ("q_proj", "k_proj", "v_proj", "o_proj"):
+            getattr(layer.self_attn, name).weight.copy_(getattr(src.self_attn, name).weight)
+        for name in ("gate_proj", "up_proj", "down_proj"):
+            getattr(layer.mlp, name).weight.copy_(getattr(src.mlp, name).weight)
+        layer.input_layernorm.weight.copy_(src.input_layernorm.weight)
+        layer.post_attention_layernorm.weight.copy_(src.post_attention_layernorm.weight)
+    first = layers[min(deepest + 1, len(layers) - 1)]
+    drafter.hidden_norm.weight.copy_(first.input_layernorm.weight)
+    hidden = drafter.cfg.hidden_size
+    drafter.fc.weight.zero_()
+    drafter.fc.weight[:, -hidden:] = torch.eye(hidden)

@@ -48,7 +48,7 @@ def sft_loss(
     """Weighted block cross-entropy for one sequence; returns (loss, stats)."""
     K = drafter.cfg.block_size
     context = seq.aux_hidden[: int(anchors.max())]
-    logits = drafter(context, anchors, seq.tokens[anchors])  # [M, K, V]
+    logits = drafter(context, anchors, seq.tokens[anchors], seq.tokens)  # [M, K, V]
     labels = block_labels(seq.tokens, anchors, K)
     ce = F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), labels.reshape(-1),
                          ignore_index=-100, reduction="none").view_as(labels.float())

