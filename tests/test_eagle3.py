@@ -233,9 +233,9 @@ def test_vllm_serves_eagle3_checkpoint(tmp_path):
     from online_opd.target import ensure_embedded_target
 
     target = ensure_embedded_target()
-    script = Path(__file__).parent / "helpers" / "eagle3_vllm_check.py"
+    script = Path(__file__).parent / "helpers" / "vllm_parity_check.py"
     env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1")
-    proc = subprocess.run([sys.executable, str(script), str(target), str(tmp_path)],
+    proc = subprocess.run([sys.executable, str(script), "eagle3", str(target), str(tmp_path)],
                           env=env, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-8000:]
     result = json.loads((tmp_path / "result.json").read_text())

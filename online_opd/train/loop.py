@@ -77,7 +77,7 @@ def train(
             optimizer.step()
             scheduler.step()
             step += 1
-            stats = {"step": step, "loss": float(loss), "grad_norm": float(grad_norm),
+            stats = {"step": step, "loss": float(loss.detach()), "grad_norm": float(grad_norm),
                      "lr": scheduler.get_last_lr()[0], "step_s": time.perf_counter() - start, **stats}
             log.write(json.dumps(stats) + "\n")
             bar.update(1)

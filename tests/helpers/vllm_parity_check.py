@@ -1,10 +1,11 @@
-"""Serve a `save_drafter` EAGLE-3 checkpoint with vLLM's CPU engine and check it.
+"""Serve a `save_drafter` checkpoint (DFlash or EAGLE-3) with vLLM's CPU engine
+and check, block by block, that vLLM drafts what our torch drafter drafts.
 
-Usage: python eagle3_vllm_check.py TARGET_DIR OUT_DIR  (writes OUT_DIR/result.json)
+Usage: python vllm_parity_check.py METHOD TARGET_DIR OUT_DIR  (writes OUT_DIR/result.json)
 
-A randomly initialised drafter (std 0.2, so its own layers move the drafts)
-is first overfit for a few Adam steps on the target's greedy continuation of
-the prompt, so that vLLM accepts some of its drafts. Runs the engine in this
+A drafter is first overfit for a few Adam steps on the target's greedy
+continuation of the prompt, so that vLLM accepts some of its drafts (and
+blocks of partial acceptance occur). Runs the engine in this
 process (VLLM_ENABLE_V1_MULTIPROCESSING=0), wraps the worker's EAGLE proposer
 to record every (anchor, drafts) it proposes, then recomputes the same drafts with `Eagle3Drafter.propose` on the HF target's
 aux hidden states of the final sequence. Also checks the speculative output
@@ -27,15 +28,15 @@ os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
 
 import torch  # noqa: E402
 
-K = 3
-MAX_TOKENS = 32
-TRAIN_STEPS = 20
+K = 4
+MAX_TOKENS = 40
+TRAIN_STEPS = 60
 PROMPT = [{"role": "user", "content": "Write a short poem about the sea."}]
 
 
 def _install_hook(worker):
     drafter = worker.model_runner.drafter
-    records = worker._eagle3_records = []
+    records = worker._parity_records = []
     original = drafter.propose
 
     def propose(*args, **kwargs):
@@ -44,6 +45,9 @@ def _install_hook(worker):
         idx = kwargs["token_indices_to_sample"]
         if idx is None:
             idx = kwargs["common_attn_metadata"].query_start_loc[1:] - 1
+            rejected = kwargs.get("num_rejected_tokens_gpu")
+            if rejected is not None:  # padded batches: last *valid* context token
+                idx = idx - rejected
         records.append({
             "anchors": (positions[idx.long()] + 1).tolist(),
             "anchor_tokens": kwargs["next_token_ids"].tolist(),
@@ -60,7 +64,7 @@ def _install_hook(worker):
 
 
 def _records(worker):
-    return worker._eagle3_records
+    return worker._parity_records
 
 
 def overfit(drafter, target_model, prompt, steps: int = TRAIN_STEPS) -> None:
@@ -76,7 +80,7 @@ def overfit(drafter, target_model, prompt, steps: int = TRAIN_STEPS) -> None:
     anchors = torch.arange(len(prompt), len(seq) - 1)
     idx = anchors[:, None] + 1 + torch.arange(K)[None, :]
     labels = torch.where(idx < len(seq), seq[idx.clamp(max=len(seq) - 1)], -100)
-    opt = torch.optim.Adam(drafter.parameters(), lr=1e-3)
+    opt = torch.optim.Adam(drafter.parameters(), lr=2e-3)
     for _ in range(steps):
         logits = drafter(aux, anchors, seq[anchors], token_ids=seq)
         loss = F.cross_entropy(logits.flatten(0, 1), labels.flatten(), ignore_index=-100)
@@ -86,13 +90,28 @@ def overfit(drafter, target_model, prompt, steps: int = TRAIN_STEPS) -> None:
     drafter.zero_grad(set_to_none=True)
 
 
-def main(target: str, out_dir: str) -> None:
+def build_drafter(method: str, target: str, target_model):
     from transformers import AutoConfig, AutoTokenizer
 
     from online_opd.config import DrafterConfig
-    from online_opd.drafters.checkpoint import load_drafter, save_drafter
     from online_opd.drafters.dflash import init_weights
     from online_opd.drafters.eagle3 import Eagle3Drafter
+    from online_opd.drafters.factory import new_drafter
+
+    cfg = DrafterConfig(method=method, block_size=K, seed=0)
+    if method == "dflash":
+        return new_drafter(cfg, target_model.config, AutoTokenizer.from_pretrained(target), target_model)
+    drafter = Eagle3Drafter.from_target(cfg, AutoConfig.from_pretrained(target))
+    # std 0.2 instead of 0.02: the drafter's own layers then move its drafts,
+    # so the K steps of a block differ and the chain is really compared
+    init_weights(drafter, std=0.2, seed=0)
+    return drafter
+
+
+def main(method: str, target: str, out_dir: str) -> None:
+    from transformers import AutoTokenizer
+
+    from online_opd.drafters.checkpoint import load_drafter, save_drafter
     from online_opd.target_model import TargetModel
     from serve.engine import chat_prompt_ids, generate, make_llm, shutdown, spec_counters
 
@@ -100,17 +119,13 @@ def main(target: str, out_dir: str) -> None:
     tokenizer = AutoTokenizer.from_pretrained(target)
     prompt = chat_prompt_ids(tokenizer, [PROMPT])[0]
     target_model = TargetModel.from_pretrained(target)
-    drafter = Eagle3Drafter.from_target(
-        DrafterConfig(method="eagle3", block_size=K, seed=0), AutoConfig.from_pretrained(target))
-    # std 0.2 instead of 0.02: the drafter's own layers then move its drafts,
-    # so the K steps of a block differ and the chain is really compared
-    init_weights(drafter, std=0.2, seed=0)
+    drafter = build_drafter(method, target, target_model)
     drafter.attach_target(target_model.embed_weight, target_model.lm_head_weight)
     overfit(drafter, target_model, prompt)
-    ckpt = save_drafter(drafter, out / "eagle3-drafter")
+    ckpt = save_drafter(drafter, out / f"{method}-drafter")
 
     llm = make_llm(target, dtype="float32", max_model_len=512, drafter=ckpt,
-                   num_speculative_tokens=K, method="eagle3")
+                   num_speculative_tokens=K, method=method)
     info = llm.collective_rpc(_install_hook)[0]
     before = spec_counters(llm)
     gen = generate(llm, [prompt], max_tokens=MAX_TOKENS, progress=False)[0]
@@ -158,8 +173,7 @@ def main(target: str, out_dir: str) -> None:
     result = {
         "k": K,
         "info": info,
-        "config_aux_ids": json.loads((ckpt / "config.json").read_text())[
-            "eagle_aux_hidden_state_layer_ids"],
+            "config_aux_ids": _config_aux_ids(ckpt),
         "num_output_tokens": len(gen.output_ids),
         "output_ids": gen.output_ids,
         "output_text": tokenizer.decode(gen.output_ids),
@@ -179,5 +193,13 @@ def main(target: str, out_dir: str) -> None:
                      indent=2))
 
 
+def _config_aux_ids(ckpt: Path) -> list[int]:
+    """vLLM's aux layer ids as written in config.json (DFlash ids are +1 in vLLM)."""
+    hf = json.loads((ckpt / "config.json").read_text())
+    if "dflash_config" in hf:
+        return [i + 1 for i in hf["dflash_config"]["target_layer_ids"]]
+    return hf["eagle_aux_hidden_state_layer_ids"]
+
+
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2])
+    main(sys.argv[1], sys.argv[2], sys.argv[3])
