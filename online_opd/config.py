@@ -152,6 +152,8 @@ class EvalConfig(_Strict):
     temperature: float = Field(0.0, ge=0, description="Sampling temperature; 0 = greedy.")
     baseline: bool = Field(
         True, description="Also measure tokens/s without speculative decoding in the same run.")
+    num_speculative_tokens: int | None = Field(
+        None, ge=1, description="Draft tokens per step when serving; null = the drafter's block size.")
     max_num_seqs: list[int] = Field(
         [1, 32], min_length=1, description="Concurrency levels (vLLM max_num_seqs) to measure at.")
 

@@ -46,7 +46,7 @@ def evaluate(cfg: OnlineOPDConfig, drafter: Path, *, progress: bool = True) -> d
     verify_checkpoint(drafter)
     hf_config = json.loads((drafter / "config.json").read_text())
     method = (hf_config.get("online_opd") or {}).get("method", "dflash")
-    num_spec = int(hf_config.get("block_size") or cfg.drafter.block_size)
+    num_spec = cfg.eval.num_speculative_tokens or int(hf_config.get("block_size") or cfg.drafter.block_size)
     target = resolve_target(cfg, progress=progress)
     prompts = load_prompts(cfg.eval.prompts, num_prompts=cfg.eval.num_prompts, split=cfg.eval.split,
                            held_out_fraction=cfg.data.held_out_fraction, seed=cfg.data.seed)

@@ -103,10 +103,10 @@ def bootstrap(cfg: OnlineOPDConfig, run_dir: Path, *, progress: bool = True) -> 
     drafter.attach_target(target_model.embed_weight, target_model.lm_head_weight)
     del target_model
     sequences = prepare_sequences(cfg, target, run_dir, drafter.target_layer_ids, progress=progress)
-    if cfg.trainer.num_threads:
-        torch.set_num_threads(cfg.trainer.num_threads)
-    gen = torch.Generator().manual_seed(cfg.trainer.seed)
-    tcfg = cfg.trainer
+    tcfg = cfg.bootstrap
+    if tcfg.num_threads:
+        torch.set_num_threads(tcfg.num_threads)
+    gen = torch.Generator().manual_seed(tcfg.seed)
 
     def step_fn(step: int):
         picks = torch.randint(len(sequences), (tcfg.sequences_per_step,), generator=gen).tolist()

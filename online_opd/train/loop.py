@@ -55,8 +55,10 @@ def train(
     *,
     progress: bool = True,
     desc: str = "train",
+    time_budget_s: float | None = None,
 ) -> int:
-    """Run until cfg.num_steps (resuming from run_dir); returns the last step done."""
+    """Run until cfg.num_steps (resuming from run_dir), or until `time_budget_s`
+    seconds of this call have passed; returns the last step done."""
     optimizer = build_optimizer(drafter, lr=cfg.lr, weight_decay=cfg.weight_decay, betas=cfg.betas)
     scheduler = cosine_with_warmup(optimizer, num_steps=cfg.num_steps,
                                    warmup_ratio=cfg.warmup_ratio, min_lr_ratio=cfg.min_lr_ratio)
@@ -65,10 +67,14 @@ def train(
     run_dir.mkdir(parents=True, exist_ok=True)
     metrics_file = run_dir / "metrics.jsonl"
     drafter.train()
+    deadline = None if time_budget_s is None else time.perf_counter() + time_budget_s
     with _stop_on_signals() as flag, open(metrics_file, "a") as log, tqdm(
         total=cfg.num_steps, initial=step, desc=desc, unit="step", disable=not progress
     ) as bar:
         while step < cfg.num_steps and not flag["stop"]:
+            if deadline is not None and time.perf_counter() >= deadline:
+                save_state(run_dir, step=step, drafter=drafter, optimizer=optimizer, scheduler=scheduler)
+                break
             start = time.perf_counter()
             loss, stats = step_fn(step)
             optimizer.zero_grad(set_to_none=True)
