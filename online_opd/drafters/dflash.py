@@ -27,6 +27,7 @@ from torch import nn
 from online_opd.drafters.layers import (
     GatedMLP,
     RMSNorm,
+    SharedHeadDrafter,
     apply_rope,
     grouped_attention,
     rope_cos_sin,
@@ -160,7 +161,7 @@ class DFlashLayer(nn.Module):
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
-class DFlashDrafter(nn.Module):
+class DFlashDrafter(SharedHeadDrafter):
     """Block drafter: one forward drafts K tokens for each of M anchors."""
 
     method = "dflash"
@@ -174,17 +175,8 @@ class DFlashDrafter(nn.Module):
         self.hidden_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.layers = nn.ModuleList(DFlashLayer(cfg) for _ in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.register_buffer("embed_weight", None, persistent=False)
-        self.register_buffer("lm_head_weight", None, persistent=False)
 
-    @property
-    def target_layer_ids(self) -> tuple[int, ...]:
-        return self.cfg.target_layer_ids
 
-    def attach_target(self, embed_weight: torch.Tensor, lm_head_weight: torch.Tensor) -> None:
-        """Share the target's embeddings and LM head (frozen, never saved)."""
-        self.embed_weight = embed_weight.detach()
-        self.lm_head_weight = lm_head_weight.detach()
 
     def forward(
         self,

@@ -62,6 +62,7 @@ from online_opd.drafters.dflash import init_weights
 from online_opd.drafters.layers import (
     GatedMLP,
     RMSNorm,
+    SharedHeadDrafter,
     apply_rope,
     grouped_attention,
     rope_cos_sin,
@@ -232,7 +233,7 @@ class Eagle3Layer(nn.Module):
         return self.mlp(self.post_attention_layernorm(residual)), residual
 
 
-class Eagle3Drafter(nn.Module):
+class Eagle3Drafter(SharedHeadDrafter):
     """EAGLE-3 head: K autoregressive greedy drafts per anchor, as vLLM chains them."""
 
     method = "eagle3"
@@ -244,8 +245,6 @@ class Eagle3Drafter(nn.Module):
         self.fc = nn.Linear(cfg.hidden_size * len(cfg.target_layer_ids), cfg.hidden_size, bias=False)
         self.layers = nn.ModuleList(Eagle3Layer(cfg, i) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.register_buffer("embed_weight", None, persistent=False)
-        self.register_buffer("lm_head_weight", None, persistent=False)
 
     @classmethod
     def from_target(cls, drafter_cfg, target_config) -> "Eagle3Drafter":
@@ -276,15 +275,7 @@ class Eagle3Drafter(nn.Module):
         init_weights(drafter, seed=drafter_cfg.seed)
         return drafter
 
-    @property
-    def target_layer_ids(self) -> tuple[int, ...]:
-        """Aux layers in `TargetModel.forward(layer_ids=...)` convention."""
-        return self.cfg.target_layer_ids
 
-    def attach_target(self, embed_weight: torch.Tensor, lm_head_weight: torch.Tensor) -> None:
-        """Share the target's embeddings and LM head (frozen, never saved)."""
-        self.embed_weight = embed_weight.detach()
-        self.lm_head_weight = lm_head_weight.detach()
 
     def _run_layers(self, embeds, hidden, cos, sin, attend):
         """One pass of all layers over rows `embeds/hidden`; `attend(i, q, k, v)`

@@ -78,3 +78,23 @@ def grouped_attention(
         k = k.repeat_interleave(repeat, dim=0)
         v = v.repeat_interleave(repeat, dim=0)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+
+
+class SharedHeadDrafter(nn.Module):
+    """Base of the drafters: reads target features at `cfg.target_layer_ids`
+    and shares the target's embeddings and LM head (frozen buffers, never saved)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("embed_weight", None, persistent=False)
+        self.register_buffer("lm_head_weight", None, persistent=False)
+
+    @property
+    def target_layer_ids(self) -> tuple[int, ...]:
+        """Feature layers in `TargetModel.forward(layer_ids=...)` convention."""
+        return self.cfg.target_layer_ids
+
+    def attach_target(self, embed_weight: torch.Tensor, lm_head_weight: torch.Tensor) -> None:
+        """Share the target's embeddings and LM head (frozen, never saved)."""
+        self.embed_weight = embed_weight.detach()
+        self.lm_head_weight = lm_head_weight.detach()
