@@ -3,9 +3,7 @@ acceptance rules on hand-made distributions."""
 
 import pytest
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
 
-from online_opd.drafters.dflash import DFlashConfig, DFlashDrafter, init_weights
 from online_opd.records import check_fidelity
 from online_opd.specdec import (
     processed_probs,
@@ -14,42 +12,20 @@ from online_opd.specdec import (
     verify_greedy,
     verify_rejection,
 )
-from online_opd.target_model import TargetModel
+from tests.tiny import tiny_drafter, tiny_target
 
 K = 4
 PROMPT = [5, 17, 3, 42, 8, 29]
 
 
-@pytest.fixture(scope="module", autouse=True)
-def single_thread():
-    """Tiny models gain nothing from threads; spinning OpenMP threads on a
-    shared machine make them many times slower."""
-    num_threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(num_threads)
-
-
 @pytest.fixture(scope="module")
-def target(single_thread):
-    torch.manual_seed(0)
-    cfg = LlamaConfig(
-        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=3,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=8, tie_word_embeddings=True,
-        initializer_range=0.5,  # peaked logits: greedy decoding does not collapse into a loop
-    )
-    return TargetModel(LlamaForCausalLM(cfg))
+def target():
+    return tiny_target(0, num_layers=3, init_range=0.5)
 
 
 @pytest.fixture(scope="module")
 def drafter(target):
-    d = DFlashDrafter(DFlashConfig(
-        hidden_size=32, num_layers=1, num_heads=4, num_kv_heads=2, head_dim=8, intermediate_size=64,
-        vocab_size=64, target_layer_ids=(0, 2), mask_token_id=63, block_size=K,
-    ))
-    init_weights(d, seed=1)
-    d.attach_target(target.embed_weight, target.lm_head_weight)
-    return d
+    return tiny_drafter(target, block_size=K, seed=1, std=0.02)
 
 
 class OracleDrafter:

@@ -11,23 +11,25 @@ from online_opd.target_model import TargetModel
 VOCAB = 64
 
 
-def tiny_target(seed: int = 0) -> TargetModel:
+def tiny_target(seed: int = 0, *, num_layers: int = 4, init_range: float = 0.2) -> TargetModel:
+    """Random Llama; a larger `init_range` gives peaked logits, so greedy
+    decoding does not collapse into a loop."""
     torch.manual_seed(seed)
-    cfg = LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=4,
+    cfg = LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=num_layers,
                       num_attention_heads=4, num_key_value_heads=2, head_dim=8,
                       tie_word_embeddings=True, max_position_embeddings=512,
-                      initializer_range=0.2)
+                      initializer_range=init_range)
     return TargetModel(LlamaForCausalLM(cfg))
 
 
 def tiny_drafter(target: TargetModel | None = None, *, block_size: int = 4, seed: int = 0,
-                 num_layers: int = 1) -> DFlashDrafter:
+                 num_layers: int = 1, std: float = 0.2) -> DFlashDrafter:
     cfg = DFlashConfig(hidden_size=32, num_layers=num_layers, num_heads=4, num_kv_heads=2, head_dim=8,
                        intermediate_size=64, vocab_size=VOCAB, target_layer_ids=(0, 2),
                        mask_token_id=VOCAB - 1, block_size=block_size, rms_norm_eps=1e-6,
                        rope_theta=10000.0, max_position_embeddings=512)
     drafter = DFlashDrafter(cfg)
-    init_weights(drafter, std=0.2, seed=seed)
+    init_weights(drafter, std=std, seed=seed)
     target = target or tiny_target()
     drafter.attach_target(target.embed_weight, target.lm_head_weight)
     return drafter
