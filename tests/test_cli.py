@@ -62,8 +62,7 @@ def _cli(*args: str, cwd: Path) -> dict:
 def test_offline_pipeline_end_to_end(tmp_path):
     """bootstrap -> rollout -> train (Draft-OPD) -> eval, on the tiny CI config."""
     cfg = ["-c", str(ROOT / "configs/test-tiny.yaml")]
-    boot = _cli("bootstrap", *cfg, "--run-dir", str(tmp_path / "boot"), "bootstrap.num_steps=3",
-                "bootstrap.anchors_per_sequence=4", cwd=ROOT)
+    boot = _cli("bootstrap", *cfg, "--run-dir", str(tmp_path / "boot"), cwd=ROOT)
     drafter = Path(boot["drafter"])
     assert (drafter / "config.json").exists() and (drafter / "manifest.json").exists()
     rollout = _cli("rollout", *cfg, "--drafter", str(drafter), "--out", str(tmp_path / "rec"), cwd=ROOT)
