@@ -1,13 +1,17 @@
 """Offline Draft-OPD vs continued SFT from the same bootstrap, at equal trainer time.
 
-From a bootstrap run folder (its drafter and its target rollouts with
-features): record the bootstrap drafter's T=0 blocks on those rollouts, run
-Draft-OPD on them for --steps steps (wall time W), run continued SFT on the
-same rollouts for the same wall time W (same sequences and anchors per
-step), optionally the naive target-rollout objective for W too, then serve
-every drafter with vLLM on held-out prompts and report served tau. Prints JSON.
+From a bootstrap drafter: generate fresh target rollouts with vLLM on
+training prompts the bootstrap did not see (`data.seed` of this run),
+record the bootstrap drafter's T=0 blocks on them, run Draft-OPD on those
+records for --steps steps (trainer time W, summed from its metrics), run
+continued SFT on the same rollouts for as many steps as fit in W (step time
+probed on 5 steps first; same sequences and anchors per step, and a cosine
+schedule over those steps),
+optionally the naive target-rollout objective for W too, then serve every
+drafter with vLLM on held-out prompts and report served tau. Prints JSON.
 
-    python benchmarks/offline_opd_vs_sft.py --bootstrap runs/bootstrap --steps 150
+    python benchmarks/offline_opd_vs_sft.py --bootstrap runs/bootstrap --steps 100 \
+        data.seed=1 data.num_prompts=96
 """
 
 from __future__ import annotations
@@ -27,10 +31,9 @@ from online_opd.records import SequenceRecord
 from online_opd.rollout import acceptance_length, greedy_blocks
 from online_opd.train.loop import train
 from online_opd.train.opd import opd_step_fn
-from online_opd.train.sequences import load_sequences
 from online_opd.train.sft import sample_anchors, sft_loss
 from serve.evaluate import evaluate
-from serve.pipeline import load_serving_drafter, resolve_target
+from serve.pipeline import load_serving_drafter, prepare_sequences, resolve_target
 
 
 def sft_step_fn(drafter, sequences, tcfg):
@@ -47,15 +50,31 @@ def sft_step_fn(drafter, sequences, tcfg):
     return step_fn
 
 
-def run_arm(name, cfg, boot, target, out, make_step_fn, *, steps, budget):
-    drafter, target_model = load_serving_drafter(boot / "drafter", target)
-    tcfg = cfg.trainer.model_copy(update={"num_steps": steps, "checkpoint_every": steps})
+def trainer_seconds(run_dir: Path) -> float:
+    """Seconds the trainer spent in its steps (resumes included), from metrics.jsonl."""
+    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+    return sum(json.loads(line)["step_s"] for line in lines)
+
+
+def probe_step_seconds(step_fn, num: int = 5) -> float:
     start = time.perf_counter()
-    done = train(make_step_fn(drafter, target_model, tcfg), drafter, tcfg, out / name,
-                 desc=name, time_budget_s=budget)
-    seconds = time.perf_counter() - start
+    for i in range(num):
+        step_fn(i)[0].backward()
+    return (time.perf_counter() - start) / num
+
+
+def run_arm(name, cfg, boot, target, out, make_step_fn, *, steps=None, budget=None):
+    """Train one arm from the bootstrap drafter: `steps` steps, or as many as fit in `budget` s."""
+    drafter, target_model = load_serving_drafter(boot / "drafter", target)
+    if steps is None:
+        probe_cfg = cfg.trainer.model_copy(update={"seed": cfg.trainer.seed + 1})
+        per_step = probe_step_seconds(make_step_fn(drafter, target_model, probe_cfg))
+        drafter.zero_grad(set_to_none=True)
+        steps = max(1, int(budget / per_step))
+    tcfg = cfg.trainer.model_copy(update={"num_steps": steps, "checkpoint_every": steps})
+    done = train(make_step_fn(drafter, target_model, tcfg), drafter, tcfg, out / name, desc=name)
     path = save_drafter(drafter, out / name / "drafter", parent_version="bootstrap", step=done)
-    return path, {"steps": done, "train_seconds": round(seconds, 1)}
+    return path, {"steps": done, "trainer_seconds": round(trainer_seconds(out / name), 1)}
 
 
 def main() -> None:
@@ -71,7 +90,7 @@ def main() -> None:
     cfg = load_config(args.config, args.overrides)
     target = resolve_target(cfg)
     boot_drafter, _ = load_serving_drafter(args.bootstrap / "drafter", target)
-    sequences = load_sequences(args.bootstrap / "sequences.safetensors", boot_drafter.target_layer_ids)
+    sequences = prepare_sequences(cfg, target, args.out / "rollouts", boot_drafter.target_layer_ids)
     blocks = [greedy_blocks(boot_drafter, s) for s in sequences]
     records = [SequenceRecord(uuid.uuid4().hex, "target", "bootstrap", 0.0, 1.0, 0, tuple(s.tokens.tolist()),
                               s.prompt_len, tuple(b)) for s, b in zip(sequences, blocks) if b]
@@ -82,13 +101,13 @@ def main() -> None:
 
     arms = {}
     arms["draft_opd"] = run_arm("draft_opd", cfg, args.bootstrap, target, args.out, opd("draft_opd"),
-                                steps=args.steps, budget=None)
-    budget = arms["draft_opd"][1]["train_seconds"]
+                                steps=args.steps)
+    budget = arms["draft_opd"][1]["trainer_seconds"]
     arms["sft"] = run_arm("sft", cfg, args.bootstrap, target, args.out,
-                          lambda d, t, tcfg: sft_step_fn(d, sequences, tcfg), steps=100000, budget=budget)
+                          lambda d, t, tcfg: sft_step_fn(d, sequences, tcfg), budget=budget)
     if args.naive:
         arms["target_rollout"] = run_arm("target_rollout", cfg, args.bootstrap, target, args.out,
-                                         opd("target_rollout"), steps=100000, budget=budget)
+                                         opd("target_rollout"), budget=budget)
     served = {"bootstrap": args.bootstrap / "drafter", **{k: v[0] for k, v in arms.items()}}
     eval_cfg = cfg.model_copy(update={"eval": cfg.eval.model_copy(update={"baseline": False})})
     for name, path in served.items():
