@@ -67,6 +67,7 @@ class SequenceRecord:
     prompt_len: int
     blocks: tuple[BlockRecord, ...]  # in drafting order
     events: tuple[dict, ...] = ()  # chain breaks, see the module docstring
+    captured_at: float = 0.0  # unix seconds when the request finished (0 = unknown)
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -80,6 +81,7 @@ class SequenceRecord:
             "prompt_len": self.prompt_len,
             "blocks": [b.to_dict() for b in self.blocks],
             "events": [dict(e) for e in self.events],
+            "captured_at": self.captured_at,
         }
 
     @classmethod
@@ -100,6 +102,7 @@ class SequenceRecord:
             prompt_len=_int_field(data, "prompt_len", "record"),
             blocks=tuple(BlockRecord.from_dict(b, f"record.blocks[{i}]") for i, b in enumerate(blocks)),
             events=_events(data.get("events", ())),
+            captured_at=_optional_float(data, "captured_at"),
         )
 
 
@@ -138,6 +141,10 @@ def _float_field(data: dict, name: str) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise ValueError(f"record.{name} must be a number, got {value!r}")
     return float(value)
+
+
+def _optional_float(data: dict, name: str) -> float:
+    return _float_field(data, name) if name in data else 0.0
 
 
 def _token_tuple(data: dict, name: str, where: str) -> tuple[int, ...]:
