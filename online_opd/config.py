@@ -24,7 +24,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from pydantic_core import ErrorDetails
 
 __all__ = ["ConfigError", "ModelConfig", "DrafterConfig", "DataConfig", "TrainerConfig", "EvalConfig",
-           "OnlineOPDConfig", "load_config", "apply_overrides", "dump_config"]
+           "CaptureConfig", "ServeConfig", "OnlineOPDConfig", "load_config", "apply_overrides", "dump_config"]
 
 PromptSource = Literal["sharegpt", "humaneval"]
 RESERVED_ENGINE_KEYS = {"model": "model.target", "speculative_config": "the drafter section",
@@ -158,6 +158,42 @@ class EvalConfig(_Strict):
         [1, 32], min_length=1, description="Concurrency levels (vLLM max_num_seqs) to measure at.")
 
 
+class CaptureConfig(_Strict):
+    """What the serving engine records into the trace buffer (vllm_patches/capture.py)."""
+
+    enabled: bool = Field(True, description="Capture verification outcomes of served requests.")
+    buffer_dir: Path = Field(Path("runs/serve/buffer"), description="Trace buffer folder (segment files).")
+    sample_rate: float = Field(
+        1.0, ge=0, le=1, description="Fraction of requests recorded (decided per request, at random).")
+    queue_size: int = Field(
+        4096, ge=1, description="Finished records waiting for the writer; beyond it records are dropped.")
+    flush_records: int = Field(256, ge=1, description="Records per segment file (at most).")
+    flush_interval_s: float = Field(5.0, gt=0, description="Seconds before a partial segment is written.")
+    max_bytes: int | None = Field(
+        2 * 1024**3, gt=0, description="Retention: oldest segments are deleted beyond this size.")
+    max_age_s: float | None = Field(
+        7 * 24 * 3600.0, gt=0, description="Retention: segments older than this are deleted.")
+
+
+class ServeConfig(_Strict):
+    """`online-opd serve`: the OpenAI-compatible server and its admin surface."""
+
+    host: str = Field("127.0.0.1", description="Bind address (vLLM --host).")
+    port: int = Field(8000, ge=1, le=65535, description="Port (vLLM --port).")
+    run_dir: Path = Field(Path("runs/serve"), description="Server state: registry, trainer state, logs.")
+    registry_dir: Path | None = Field(None, description="Drafter registry; null = <run_dir>/registry.")
+    admin_token_env: str = Field(
+        "ONLINE_OPD_ADMIN_TOKEN",
+        description="Env var holding the admin bearer token; the admin routes are off when it is unset.")
+    stats_poll_s: float = Field(
+        5.0, gt=0, description="Seconds between polls of the engine's capture/reload figures for /metrics.")
+    reload_poll_s: float = Field(5.0, gt=0, description="Seconds between checks of the registry's current.")
+
+    @property
+    def registry(self) -> Path:
+        return self.registry_dir or self.run_dir / "registry"
+
+
 class OnlineOPDConfig(_Strict):
     """Root of an online-opd run configuration."""
 
@@ -170,6 +206,8 @@ class OnlineOPDConfig(_Strict):
         description="Offline SFT warm-up of a fresh drafter (`online-opd bootstrap`).")
     trainer: TrainerConfig = Field(default_factory=TrainerConfig)
     eval: EvalConfig = Field(default_factory=EvalConfig)
+    capture: CaptureConfig = Field(default_factory=CaptureConfig)
+    serve: ServeConfig = Field(default_factory=ServeConfig)
     engine: dict[str, Any] = Field(
         default_factory=dict, description="vLLM engine keyword arguments, passed through as-is.")
 
