@@ -24,7 +24,8 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from pydantic_core import ErrorDetails
 
 __all__ = ["ConfigError", "ModelConfig", "DrafterConfig", "DataConfig", "TrainerConfig", "EvalConfig",
-           "CaptureConfig", "ServeConfig", "OnlineOPDConfig", "load_config", "apply_overrides", "dump_config"]
+           "CaptureConfig", "ServeConfig", "GateConfig", "OnlineOPDConfig", "load_config", "apply_overrides",
+           "dump_config"]
 
 PromptSource = Literal["sharegpt", "humaneval"]
 RESERVED_ENGINE_KEYS = {"model": "model.target", "speculative_config": "the drafter section",
@@ -194,6 +195,29 @@ class ServeConfig(_Strict):
         return self.registry_dir or self.run_dir / "registry"
 
 
+class GateConfig(_Strict):
+    """Promotion gate: a candidate drafter replaces the serving one only when its simulated
+    acceptance on held-out traffic is higher with confidence (online_opd/gate.py)."""
+
+    every_steps: int = Field(50, ge=1, description="Trainer steps between gate evaluations of the candidate.")
+    min_records: int = Field(
+        8, ge=2, description="Held-out records needed for a decision; fewer = not promoted.")
+    held_out_fraction: float = Field(
+        0.1, gt=0, lt=1, description="Share of captured records (by record id hash) never trained on.")
+    margin: float = Field(
+        0.0, description="Promote iff the lower confidence bound of the tau gain exceeds this (tau units).")
+    confidence: float = Field(0.9, gt=0.5, lt=1, description="One-sided confidence of that lower bound.")
+    max_blocks_per_record: int = Field(64, ge=1, description="Anchors simulated per held-out record (cap).")
+    max_records: int = Field(64, ge=1, description="Most recent held-out records evaluated, at most.")
+
+    @model_validator(mode="after")
+    def _can_pass(self) -> GateConfig:
+        if self.max_records < self.min_records:
+            raise ValueError(f"max_records={self.max_records} < min_records={self.min_records}: "
+                             "no evaluation could pass")
+        return self
+
+
 class OnlineOPDConfig(_Strict):
     """Root of an online-opd run configuration."""
 
@@ -208,6 +232,7 @@ class OnlineOPDConfig(_Strict):
     eval: EvalConfig = Field(default_factory=EvalConfig)
     capture: CaptureConfig = Field(default_factory=CaptureConfig)
     serve: ServeConfig = Field(default_factory=ServeConfig)
+    gate: GateConfig = Field(default_factory=GateConfig)
     engine: dict[str, Any] = Field(
         default_factory=dict, description="vLLM engine keyword arguments, passed through as-is.")
 
