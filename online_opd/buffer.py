@@ -1,0 +1,538 @@
+"""The trace buffer: durable, append-only Parquet segments of ``SequenceRecord``s.
+
+Serving replicas capture records (vllm_patches/) and hand them to a
+``BufferWriter``, whose background thread batches them into segment files;
+the trainer tails the directory with a ``BufferReader`` (DESIGN.md "Buffer").
+
+Segment files. One Parquet file per batch, named
+``seg-{unix_ms:013d}-{writer_id}-{seq:06d}-{sha256[:32]}.parquet``: names sort
+in time order (so a name is a cursor for tailing), ``writer_id`` keeps several
+replicas writing to one directory apart, and the name carries the checksum of
+the file's bytes, so a reader can tell a torn or bit-flipped segment without
+any side file. A segment is published atomically: its bytes are written to
+``.<something>.tmp`` in the same directory, flushed and fsynced, renamed to the
+final name with ``os.replace``, and the directory is fsynced. Readers ignore
+every name that is not a segment name (the ``.tmp`` files included), and skip
+and count segments whose bytes do not match their name: a bad segment is
+never fatal.
+
+Bounds. ``SegmentWriter.enforce_retention`` deletes the oldest segments while
+the directory holds more than ``max_bytes`` and every segment older than
+``max_age_s`` (age from the timestamp in the name), whichever writer wrote it.
+
+Local only, for now: fsync of the file and the directory, ``os.replace`` and
+the mtime check on stale ``.tmp`` files are POSIX-local-filesystem operations.
+All file-system access goes through ``_publish``, ``_scan`` and
+``_read_bytes`` plus ``os.remove`` in ``enforce_retention``; a
+``pyarrow.fs.FileSystem`` (object store, shared storage) would plug in there.
+On an object store a single PUT of the finished bytes is already atomic, so
+``_publish`` would write the final name directly.
+
+Cursor caveat with several writers: a replica whose segment takes longer to
+publish (or whose clock is behind) can publish a name that sorts before a
+cursor that a reader has already moved past. ``tail(..., settle_s=...)``
+leaves segments younger than ``settle_s`` for the next call to avoid this.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import logging
+import os
+import queue
+import re
+import socket
+import threading
+import time
+import uuid
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from online_opd.records import SequenceRecord
+
+logger = logging.getLogger(__name__)
+
+SEGMENT_SCHEMA = pa.schema([
+    ("record_id", pa.string()),
+    ("model_id", pa.string()),
+    ("drafter_version", pa.string()),
+    ("temperature", pa.float64()),  # float64, not float32: round trips give back the same Python float
+    ("top_p", pa.float64()),
+    ("top_k", pa.int32()),
+    ("tokens", pa.list_(pa.int32())),
+    ("prompt_len", pa.int32()),
+    ("blocks", pa.list_(pa.struct([
+        ("anchor", pa.int32()),
+        ("draft_tokens", pa.list_(pa.int32())),
+        ("num_accepted", pa.int16()),
+    ]))),
+    ("events", pa.string()),  # JSON list: events are free-form dicts
+    ("captured_at", pa.float64()),
+])
+
+_SEGMENT_RE = re.compile(r"^seg-(\d{13})-([A-Za-z0-9_]{1,32})-(\d{6})-([0-9a-f]{32})\.parquet$")
+_TMP_SUFFIX = ".tmp"
+_STALE_TMP_S = 3600.0  # a .tmp this old belongs to a writer that died mid-write
+
+
+class CorruptSegment(ValueError):
+    """A segment whose bytes do not match the checksum in its name, or that does not parse."""
+
+
+@dataclass(frozen=True)
+class SegmentInfo:
+    """One published segment, as its name and size describe it."""
+
+    name: str
+    path: Path
+    bytes: int
+    created_ms: int
+    writer_id: str
+    seq: int
+    digest: str  # the first 32 hex digits of the sha256 of the file
+
+
+def sanitize_writer_id(writer_id: str) -> str:
+    """Writer id safe inside a segment name: ``[A-Za-z0-9_]``, at most 32 characters."""
+    clean = re.sub(r"[^A-Za-z0-9_]", "_", writer_id)[:32]
+    if not clean:
+        raise ValueError(f"writer_id {writer_id!r} has no usable characters")
+    return clean
+
+
+def default_writer_id() -> str:
+    """Host and process: distinct per replica without any configuration."""
+    return sanitize_writer_id(f"{socket.gethostname()[:20]}_{os.getpid()}")
+
+
+def segment_name(created_ms: int, writer_id: str, seq: int, sha256_hex: str) -> str:
+    return f"seg-{created_ms:013d}-{writer_id}-{seq:06d}-{sha256_hex[:32]}.parquet"
+
+
+def parse_segment_name(name: str) -> tuple[int, str, int, str] | None:
+    """``(created_ms, writer_id, seq, digest)``, or None when ``name`` is not a segment."""
+    m = _SEGMENT_RE.match(name)
+    if m is None:
+        return None
+    return int(m.group(1)), m.group(2), int(m.group(3)), m.group(4)
+
+
+# ---------------------------------------------------------------- encoding
+
+
+def encode_segment(records: Iterable[SequenceRecord]) -> bytes:
+    """Parquet bytes of one segment (column-wise, the cheap way to build an Arrow table)."""
+    records = list(records)
+    columns: dict[str, list[Any]] = {
+        "record_id": [r.record_id for r in records],
+        "model_id": [r.model_id for r in records],
+        "drafter_version": [r.drafter_version for r in records],
+        "temperature": [r.temperature for r in records],
+        "top_p": [r.top_p for r in records],
+        "top_k": [r.top_k for r in records],
+        "tokens": [list(r.tokens) for r in records],
+        "prompt_len": [r.prompt_len for r in records],
+        "blocks": [[b.to_dict() for b in r.blocks] for r in records],
+        "events": [json.dumps([dict(e) for e in r.events]) for r in records],
+        "captured_at": [r.captured_at for r in records],
+    }
+    table = pa.Table.from_pydict(columns, schema=SEGMENT_SCHEMA)
+    sink = io.BytesIO()
+    pq.write_table(table, sink, compression="zstd")
+    return sink.getvalue()
+
+
+def decode_segment(data: bytes) -> list[SequenceRecord]:
+    """Records from Parquet bytes; ValueError (or an Arrow error) when they do not parse."""
+    table = pq.read_table(pa.BufferReader(data))
+    missing = set(SEGMENT_SCHEMA.names) - set(table.column_names)
+    if missing:
+        raise ValueError(f"missing columns {sorted(missing)}")
+    records = []
+    for row in table.to_pylist():
+        row["events"] = json.loads(row["events"])
+        records.append(SequenceRecord.from_dict(row))  # validates every field
+    return records
+
+
+# ---------------------------------------------------------------- file-system access (local)
+
+
+def _fsync_dir(path: Path) -> None:
+    """Make a rename in ``path`` durable (POSIX; a no-op where directories cannot be opened)."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _publish(root: Path, data: bytes, final_name_for: Callable[[], str]) -> Path:
+    """Write ``data`` under a temporary name, fsync, then rename to ``final_name_for()``.
+
+    The final name is chosen after the bytes are durable, so its timestamp is
+    as close as possible to the moment the segment becomes visible.
+    """
+    tmp = root / f".seg-{uuid.uuid4().hex[:12]}{_TMP_SUFFIX}"
+    try:
+        with open(tmp, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        final = root / final_name_for()
+        os.replace(tmp, final)
+    except BaseException:
+        try:
+            os.remove(tmp)
+        except OSError:
+            pass
+        raise
+    _fsync_dir(root)
+    return final
+
+
+def _scan(root: Path) -> tuple[list[SegmentInfo], list[Path]]:
+    """Segments sorted by name, and the ``.tmp`` files; other names are ignored."""
+    segments, tmps = [], []
+    with os.scandir(root) as entries:
+        for entry in entries:
+            if entry.name.startswith(".") and entry.name.endswith(_TMP_SUFFIX):
+                tmps.append(Path(entry.path))
+                continue
+            parsed = parse_segment_name(entry.name)
+            if parsed is None:
+                continue
+            try:
+                size = entry.stat().st_size
+            except FileNotFoundError:  # deleted by another writer's retention meanwhile
+                continue
+            created_ms, writer_id, seq, digest = parsed
+            segments.append(SegmentInfo(entry.name, Path(entry.path), size, created_ms, writer_id, seq, digest))
+    segments.sort(key=lambda s: s.name)
+    return segments, tmps
+
+
+def _read_bytes(path: Path) -> bytes:
+    return path.read_bytes()
+
+
+# ---------------------------------------------------------------- writing
+
+
+class SegmentWriter:
+    """Publishes batches of records as segments and enforces the directory's bounds.
+
+    Not thread-safe: one owner (``BufferWriter``'s thread, or a script).
+    ``bytes``/``segments`` are a running tally of the whole directory, exact
+    after each ``enforce_retention`` and updated by each ``write`` in between.
+    """
+
+    def __init__(self, root: str | os.PathLike, writer_id: str | None = None,
+                 max_bytes: int | None = None, max_age_s: float | None = None) -> None:
+        self.root = Path(root)
+        self.writer_id = sanitize_writer_id(writer_id) if writer_id is not None else default_writer_id()
+        self.max_bytes = max_bytes
+        self.max_age_s = max_age_s
+        self._seq = 0
+        self._last_ms = 0
+        self.root.mkdir(parents=True, exist_ok=True)
+        segments, _ = _scan(self.root)
+        self.bytes = sum(s.bytes for s in segments)
+        self.segments = len(segments)
+
+    def write(self, records: Iterable[SequenceRecord]) -> Path | None:
+        """Publish one segment holding ``records``; None (and no file) when there are none."""
+        records = list(records)
+        if not records:
+            return None
+        data = encode_segment(records)
+        digest = hashlib.sha256(data).hexdigest()
+        self.root.mkdir(parents=True, exist_ok=True)  # recreate a directory someone removed
+
+        def final_name() -> str:
+            # Never go back in time within one writer, so its own names stay in order.
+            self._last_ms = max(self._last_ms, int(time.time() * 1000))
+            return segment_name(self._last_ms, self.writer_id, self._seq, digest)
+
+        path = _publish(self.root, data, final_name)
+        self._seq += 1
+        self.bytes += len(data)
+        self.segments += 1
+        return path
+
+    def enforce_retention(self, now: float | None = None) -> dict[str, int]:
+        """Delete segments past the age bound, then the oldest while over the byte bound.
+
+        Segments of every writer in the directory count. Also removes ``.tmp``
+        files older than an hour (left by a writer that died mid-write).
+        """
+        now = time.time() if now is None else now
+        segments, tmps = _scan(self.root)
+        deleted_segments = deleted_bytes = deleted_tmp = 0
+        total = sum(s.bytes for s in segments)
+        keep: list[SegmentInfo] = []
+        for seg in segments:  # oldest first
+            too_old = self.max_age_s is not None and (now * 1000 - seg.created_ms) > self.max_age_s * 1000
+            too_big = self.max_bytes is not None and total > self.max_bytes
+            if not (too_old or too_big):
+                keep.append(seg)
+                continue
+            try:
+                os.remove(seg.path)
+            except FileNotFoundError:  # another writer's retention got there first
+                pass
+            else:
+                deleted_segments += 1
+                deleted_bytes += seg.bytes
+            total -= seg.bytes
+        for tmp in tmps:
+            try:
+                if now - tmp.stat().st_mtime > _STALE_TMP_S:
+                    os.remove(tmp)
+                    deleted_tmp += 1
+            except FileNotFoundError:
+                pass
+        self.bytes = sum(s.bytes for s in keep)
+        self.segments = len(keep)
+        return {"deleted_segments": deleted_segments, "deleted_bytes": deleted_bytes,
+                "deleted_tmp": deleted_tmp, "segments": self.segments, "bytes": self.bytes}
+
+
+_STOP = object()
+
+
+class BufferWriter:
+    """Non-blocking sink for captured records: a bounded queue and one writer thread.
+
+    ``submit`` is called on the serving path and never blocks: when the queue
+    is full (the disk is slower than the traffic) or the writer is closed, the
+    record is dropped and counted. The thread publishes a segment every
+    ``flush_records`` records or ``flush_interval_s`` seconds, whichever comes
+    first, then enforces retention. A failed write is logged and counted and
+    its records count as dropped; the thread keeps going. At any moment
+    ``submitted == written_records + dropped + (records still queued or pending)``.
+    Memory is bounded by ``maxsize + flush_records`` records.
+    """
+
+    def __init__(self, root: str | os.PathLike, *, writer_id: str | None = None,
+                 max_bytes: int | None = None, max_age_s: float | None = None,
+                 flush_records: int = 1024, flush_interval_s: float = 5.0, maxsize: int = 10_000,
+                 start: bool = True) -> None:
+        if flush_records < 1 or flush_interval_s <= 0 or maxsize < 1:
+            raise ValueError("flush_records, flush_interval_s and maxsize must be positive")
+        self.segment_writer = SegmentWriter(root, writer_id, max_bytes=max_bytes, max_age_s=max_age_s)
+        self.flush_records = flush_records
+        self.flush_interval_s = flush_interval_s
+        self._queue: queue.Queue = queue.Queue(maxsize)
+        self._lock = threading.Lock()
+        self._closed = False
+        self._counters: dict[str, Any] = {"submitted": 0, "dropped": 0, "written_records": 0,
+                                          "written_segments": 0, "write_errors": 0, "last_error": None}
+        self._thread = threading.Thread(target=self._run, name="online-opd-buffer-writer", daemon=True)
+        if start:
+            self._thread.start()
+
+    def start(self) -> None:
+        """Start the writer thread (for ``start=False``: e.g. construct before a fork)."""
+        if not self._thread.is_alive() and self._thread.ident is None:
+            self._thread.start()
+
+    def submit(self, record: SequenceRecord) -> bool:
+        """Queue ``record`` for writing; False (and counted as dropped) when full or closed."""
+        with self._lock:
+            self._counters["submitted"] += 1
+            if not self._closed:
+                try:
+                    self._queue.put_nowait(record)
+                    return True
+                except queue.Full:
+                    pass
+            self._counters["dropped"] += 1
+            return False
+
+    def close(self, timeout: float | None = 30.0) -> bool:
+        """Stop accepting records, flush what is queued, join the thread; True when it finished."""
+        with self._lock:
+            already = self._closed
+            self._closed = True
+        self.start()
+        deadline = None if timeout is None else time.monotonic() + timeout
+        if not already:
+            try:
+                self._queue.put(_STOP, timeout=timeout)  # the thread drains the queue, so this gets in
+            except queue.Full:
+                logger.error("buffer writer: queue still full after %ss, records left unwritten", timeout)
+                return False
+        self._thread.join(None if deadline is None else max(0.0, deadline - time.monotonic()))
+        return not self._thread.is_alive()
+
+    def stats(self) -> dict[str, Any]:
+        """Counters plus the directory's bytes and segments (a running tally, no directory scan)."""
+        with self._lock:
+            out = dict(self._counters)
+        out["queued"] = self._queue.qsize()
+        out["buffer_bytes"] = self.segment_writer.bytes
+        out["buffer_segments"] = self.segment_writer.segments
+        return out
+
+    def _count(self, **deltas: int) -> None:
+        with self._lock:
+            for key, delta in deltas.items():
+                self._counters[key] += delta
+
+    def _run(self) -> None:
+        pending: list[SequenceRecord] = []
+        deadline = 0.0
+        while True:
+            wait = None if not pending else max(0.0, deadline - time.monotonic())
+            try:
+                item = self._queue.get(timeout=wait)
+            except queue.Empty:
+                item = None
+            if item is _STOP:
+                self._flush(pending)
+                return
+            if item is not None:
+                if not pending:
+                    deadline = time.monotonic() + self.flush_interval_s
+                pending.append(item)
+            if len(pending) >= self.flush_records or (pending and time.monotonic() >= deadline):
+                self._flush(pending)
+                pending = []
+
+    def _flush(self, records: list[SequenceRecord]) -> None:
+        if not records:
+            return
+        try:
+            self.segment_writer.write(records)
+        except Exception as exc:  # disk full, directory gone, ...: count, keep serving
+            logger.warning("buffer writer: dropping %d records, segment write failed: %r", len(records), exc)
+            with self._lock:
+                self._counters["write_errors"] += 1
+                self._counters["dropped"] += len(records)
+                self._counters["last_error"] = repr(exc)
+            return
+        self._count(written_records=len(records), written_segments=1)
+        try:
+            self.segment_writer.enforce_retention()
+        except Exception as exc:
+            logger.warning("buffer writer: retention failed: %r", exc)
+            with self._lock:
+                self._counters["last_error"] = repr(exc)
+
+
+# ---------------------------------------------------------------- reading
+
+
+class BufferReader:
+    """Reads and tails a buffer directory; corrupt segments are skipped and counted, not raised."""
+
+    def __init__(self, root: str | os.PathLike) -> None:
+        self.root = Path(root)
+        self.corrupt: dict[str, str] = {}  # segment name -> reason, each logged once
+
+    def segments(self) -> list[SegmentInfo]:
+        """Published segments sorted by name (= time order); other files are ignored."""
+        return _scan(self.root)[0]
+
+    def read_segment(self, info: SegmentInfo) -> list[SequenceRecord]:
+        """The segment's records; CorruptSegment when its bytes do not match its name or do not parse.
+
+        FileNotFoundError (not CorruptSegment) when retention deleted it meanwhile.
+        """
+        data = _read_bytes(info.path)
+        digest = hashlib.sha256(data).hexdigest()[:32]
+        if digest != info.digest:
+            raise CorruptSegment(f"segment {info.name}: sha256 of its {len(data)} bytes starts {digest}, "
+                                 f"the name says {info.digest} (torn or corrupted file)")
+        try:
+            return decode_segment(data)
+        except Exception as exc:
+            raise CorruptSegment(f"segment {info.name}: checksum matches but it does not parse: {exc}") from exc
+
+    def iter_segments(self, after: str | None = None, settle_s: float = 0.0,
+                       ) -> Iterator[tuple[SegmentInfo, list[SequenceRecord]]]:
+        """Segments whose name sorts after ``after``, each with its records, oldest first.
+
+        A corrupt segment comes with no records (and is counted in ``corrupt``);
+        one that retention deleted after the listing is left out.
+        """
+        newest_ms = (time.time() - settle_s) * 1000
+        for info in self.segments():
+            if after is not None and info.name <= after:
+                continue
+            if settle_s > 0 and info.created_ms > newest_ms:
+                return  # names sort by time: everything further is younger still
+            try:
+                records = self.read_segment(info)
+            except FileNotFoundError:
+                continue  # removed by retention after the listing
+            except (CorruptSegment, OSError) as exc:
+                if info.name not in self.corrupt:
+                    logger.warning("buffer: skipping %s", exc)
+                    self.corrupt[info.name] = str(exc)
+                records = []
+            yield info, records
+
+    def iter_records(self, after: str | None = None, settle_s: float = 0.0) -> Iterator[SequenceRecord]:
+        """Records of every segment whose name sorts after ``after``, oldest first."""
+        for _, records in self.iter_segments(after, settle_s):
+            yield from records
+
+    def tail(self, cursor: str | None = None, settle_s: float = 0.0,
+             ) -> tuple[list[SequenceRecord], str | None]:
+        """New records since ``cursor`` and the cursor to pass next time.
+
+        ``settle_s`` > 0 leaves segments younger than that for a later call
+        (see the module docstring on several writers).
+        """
+        out: list[SequenceRecord] = []
+        for info, records in self.iter_segments(cursor, settle_s):
+            out.extend(records)
+            cursor = info.name  # corrupt segments are passed too: counted once, not retried
+        return out, cursor
+
+    def stats(self) -> dict[str, Any]:
+        """Whole-buffer figures (reads every segment): sizes, capture times, acceptance per drafter.
+
+        ``tau`` is the mean accepted length per block, counting the target's own
+        token: ``1 + accepted / blocks``.
+        """
+        infos = self.segments()
+        per_version: dict[str, dict[str, Any]] = {}
+        records = 0
+        captured = []
+        for _, recs in self.iter_segments(None):
+            for rec in recs:
+                records += 1
+                if rec.captured_at > 0:
+                    captured.append(rec.captured_at)
+                v = per_version.setdefault(rec.drafter_version, {"records": 0, "blocks": 0,
+                                                                 "drafted_tokens": 0, "accepted_tokens": 0})
+                v["records"] += 1
+                v["blocks"] += len(rec.blocks)
+                v["drafted_tokens"] += sum(len(b.draft_tokens) for b in rec.blocks)
+                v["accepted_tokens"] += sum(b.num_accepted for b in rec.blocks)
+        for v in per_version.values():
+            v["tau"] = 1 + v["accepted_tokens"] / v["blocks"] if v["blocks"] else None
+            v["acceptance_rate"] = v["accepted_tokens"] / v["drafted_tokens"] if v["drafted_tokens"] else None
+        return {
+            "root": str(self.root),
+            "segments": len(infos),
+            "bytes": sum(s.bytes for s in infos),
+            "records": records,
+            "corrupt_segments": sum(1 for s in infos if s.name in self.corrupt),
+            "oldest_captured_at": min(captured) if captured else None,
+            "newest_captured_at": max(captured) if captured else None,
+            "drafter_versions": dict(sorted(per_version.items())),
+        }
