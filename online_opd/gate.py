@@ -1,0 +1,288 @@
+"""Promotion gate: simulated served acceptance of two drafters on held-out traffic.
+
+A trained candidate replaces the serving drafter only if it would have been
+accepted more on recent traffic the trainer never saw. For every held-out
+record and every logged anchor a (the same anchors for both drafters, so the
+comparison is paired), each drafter proposes its greedy block d_1..d_K from
+the logged context tokens[:a+1], and the target "verifies" it analytically
+under the record's own sampling parameters:
+
+    E[r] = sum_{k=1..K} prod_{j<=k} p_j(d_j)
+
+where p_j is the target's processed distribution (temperature, top-k, top-p,
+``specdec.processed_probs``) at position a+j given tokens[:a+1] + d_<j. The
+drafter is greedy, so q is one-hot and rejection sampling accepts d_j with
+probability min(1, p/q) = p_j(d_j); the sum is the expected accepted count.
+At T = 0, p_j is one-hot at the target argmax and E[r] is exactly the count
+that greedy verification accepts. The served acceptance length per block is
+tau = 1 + E[r] (vLLM's definition: the target always adds one token). An
+expectation instead of a sampled r removes the verifier's sampling noise from
+the comparison, and blocks where both drafters propose the same tokens
+contribute exactly zero difference.
+
+Cost per record: one target forward for the drafters' context features, one
+batched ``propose`` per drafter, and one packed target forward (replay.py)
+over the sequence plus the union of both drafters' distinct blocks.
+
+Decision: let g_i be record i's mean tau difference (candidate - serving)
+over its blocks. With n evaluated records, mean g, standard error s/sqrt(n),
+and the one-sided Student-t lower bound L = mean - t_{c, n-1} s / sqrt(n) at
+confidence c, the candidate passes iff n >= min_records and L > margin. With
+margin 0 a candidate must be better with confidence c: equal is not enough.
+Records, not blocks, are the unit because blocks of one record share a
+context and are correlated.
+
+Held-out rule: ``is_held_out`` puts a record on the held-out side by a hash of
+its id, so the trainer and the gate agree without sharing state.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import statistics
+import time
+from dataclasses import asdict, dataclass
+from typing import Any, Sequence
+
+import torch
+import torch.nn.functional as F
+from tqdm.auto import tqdm
+
+from online_opd.config import GateConfig
+from online_opd.records import SequenceRecord
+from online_opd.replay import packed_target_forward
+from online_opd.rollout import propose_all
+from online_opd.specdec import processed_probs
+from online_opd.target_model import TargetModel
+from online_opd.train.sequences import TrainSequence
+
+DEFAULT_MAX_TOKENS = 4096  # context kept per record; bounds the packed forward's N x N mask
+
+
+@dataclass
+class GateResult:
+    """Outcome of one gate evaluation (``to_dict`` goes into the manifest and metrics)."""
+
+    n_records: int  # records with at least one evaluated block
+    n_blocks: int  # blocks per drafter (the same anchors for both)
+    tau_candidate: float  # block-weighted mean of 1 + E[r]
+    tau_serving: float
+    diff_mean: float  # tau_candidate - tau_serving (block-weighted)
+    record_diff_mean: float  # mean over records of the per-record mean tau difference
+    record_diff_stderr: float  # its standard error (inf with fewer than 2 records)
+    record_diff_lower: float  # one-sided lower confidence bound at `confidence`
+    confidence: float
+    margin: float
+    passed: bool
+    reason: str
+    seconds: float
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain JSON-safe dict: non-finite floats become None."""
+        return {k: (None if isinstance(v, float) and not math.isfinite(v) else v)
+                for k, v in asdict(self).items()}
+
+
+def is_held_out(record_id: str, fraction: float) -> bool:
+    """Whether a record belongs to the gate's held-out share: a stable hash of
+    its id, so every process decides the same without coordination."""
+    digest = hashlib.sha256(record_id.encode("utf-8")).digest()
+    return int.from_bytes(digest[:8], "big") / 2**64 < fraction
+
+
+def split_held_out(
+    records: Sequence[SequenceRecord], fraction: float
+) -> tuple[list[SequenceRecord], list[SequenceRecord]]:
+    """(train, held_out) by ``is_held_out``, order kept."""
+    train, held_out = [], []
+    for rec in records:
+        (held_out if is_held_out(rec.record_id, fraction) else train).append(rec)
+    return train, held_out
+
+
+def gate_anchors(record: SequenceRecord, max_blocks: int, max_tokens: int = DEFAULT_MAX_TOKENS) -> list[int]:
+    """Logged anchors to simulate: 1 <= a and a + 1 <= max_tokens (so the
+    sequence is cut right after an anchor), at most ``max_blocks`` of them,
+    evenly spread over the record so late context is not left out."""
+    usable = [b.anchor for b in record.blocks if 1 <= b.anchor < min(len(record.tokens), max_tokens)]
+    if len(usable) <= max_blocks:
+        return usable
+    picks = torch.linspace(0, len(usable) - 1, max_blocks).round().long().unique().tolist()
+    return [usable[i] for i in picks]
+
+
+def draft_token_probs(
+    logits: torch.Tensor,  # [M, K, vocab] target logits at positions a+1 .. a+K
+    drafts: torch.Tensor,  # [M, K]
+    temperature: float,
+    top_p: float = 1.0,
+    top_k: int = 0,
+    chunk_rows: int = 1024,
+) -> torch.Tensor:
+    """[M, K] p_j(d_j): the acceptance probability of a greedy draft token.
+    At T = 0: 1 where d_j is the target argmax, else 0 (greedy verification).
+    Rows are processed in chunks: the processed distribution is a full
+    vocabulary-sized float tensor per row."""
+    if temperature == 0:
+        return (logits.argmax(-1) == drafts).float()
+    flat, ids = logits.reshape(-1, logits.shape[-1]), drafts.reshape(-1, 1)
+    out = [processed_probs(flat[lo:lo + chunk_rows], temperature, top_p, top_k)
+           .gather(1, ids[lo:lo + chunk_rows]) for lo in range(0, flat.shape[0], chunk_rows)]
+    return torch.cat(out).view(drafts.shape)
+
+
+def expected_accepted(accept_probs: torch.Tensor) -> torch.Tensor:
+    """[M] E[r] = sum_k prod_{j<=k} p_j(d_j) from [M, K] acceptance probabilities."""
+    return accept_probs.cumprod(dim=1).sum(dim=1)
+
+
+def _layer_columns(layer_ids: list[int], wanted: Sequence[int], hidden: int) -> torch.Tensor:
+    """Column indices of `wanted` layers inside features captured at `layer_ids`."""
+    return torch.cat([torch.arange(hidden) + layer_ids.index(lid) * hidden for lid in wanted])
+
+
+@torch.no_grad()
+def simulate_record(
+    target: TargetModel,
+    drafters: Sequence,
+    record: SequenceRecord,
+    anchors: Sequence[int],
+) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """(E[r] [len(drafters), M], each drafter's proposals [M, K_d]) at `anchors`.
+
+    Drafters may read different target layers and draft different K: features
+    are captured once at the union of their layers, and blocks are padded to
+    the longest K (a block's rows are causal, so padding never changes the
+    rows that are read). Identical (anchor, block) pairs are verified once.
+    """
+    if not anchors:
+        raise ValueError("simulate_record needs at least one anchor")
+    device = target.embed_weight.device
+    tokens = torch.tensor(record.tokens[: max(anchors) + 1], dtype=torch.int64, device=device)
+    anchor_t = torch.tensor(anchors, dtype=torch.int64, device=device)
+    layer_ids = sorted({lid for d in drafters for lid in d.target_layer_ids})
+    aux = target.forward(tokens, tuple(layer_ids), logits_at=tokens[:0]).aux_hidden  # [T, L * hidden]
+    proposals = []
+    for drafter in drafters:
+        cols = _layer_columns(layer_ids, drafter.target_layer_ids, target.hidden_size).to(device)
+        seq = TrainSequence(tokens, record.prompt_len, aux[:, cols])
+        proposals.append(propose_all(drafter, seq, anchor_t).to(device))
+    width = max(p.shape[1] for p in proposals)
+    keys = torch.cat([torch.cat([anchor_t[:, None], F.pad(p, (0, width - p.shape[1]))], dim=1)
+                      for p in proposals])  # [D * M, 1 + K]
+    unique, inverse = torch.unique(keys, dim=0, return_inverse=True)
+    logits, _ = packed_target_forward(target, tokens, unique[:, 0], unique[:, 1:], ())  # [U, K, vocab]
+    probs = draft_token_probs(logits, unique[:, 1:], record.temperature, record.top_p, record.top_k)
+    num = len(anchors)
+    expected = torch.stack([expected_accepted(probs[inverse[i * num:(i + 1) * num], : p.shape[1]])
+                            for i, p in enumerate(proposals)])
+    return expected, proposals
+
+
+def t_cdf(t: float, dof: int) -> float:
+    """Student-t CDF for an integer number of degrees of freedom, exact
+    (the finite series of Abramowitz & Stegun 26.7.3-4)."""
+    if dof < 1:
+        raise ValueError(f"dof must be >= 1, got {dof}")
+    theta = math.atan(t / math.sqrt(dof))
+    c2, s = math.cos(theta) ** 2, math.sin(theta)
+    if dof % 2:  # odd: (2/pi) (theta + sin cos [1 + 2/3 c2 + 2*4/(3*5) c2^2 + ...])
+        term = total = 1.0
+        for k in range(1, (dof - 1) // 2):
+            term *= c2 * (2 * k) / (2 * k + 1)
+            total += term
+        two_sided = 2 / math.pi * (theta + (s * math.cos(theta) * total if dof > 1 else 0.0))
+    else:  # even: sin [1 + 1/2 c2 + 1*3/(2*4) c2^2 + ...]
+        term = total = 1.0
+        for k in range(1, dof // 2):
+            term *= c2 * (2 * k - 1) / (2 * k)
+            total += term
+        two_sided = s * total
+    return 0.5 + 0.5 * two_sided  # two_sided carries the sign of t
+
+
+def t_quantile(p: float, dof: int) -> float:
+    """Student-t quantile by bisection on ``t_cdf`` (normal beyond 1000 dof, where they agree to 1e-3)."""
+    if not 0 < p < 1:
+        raise ValueError(f"p must lie in (0, 1), got {p}")
+    if dof > 1000:
+        return statistics.NormalDist().inv_cdf(p)
+    if p < 0.5:
+        return -t_quantile(1 - p, dof)
+    lo, hi = 0.0, 1.0
+    while t_cdf(hi, dof) < p:
+        lo, hi = hi, hi * 2
+    for _ in range(100):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if t_cdf(mid, dof) < p else (lo, mid)
+        if hi - lo < 1e-12 * max(1.0, hi):
+            break
+    return (lo + hi) / 2
+
+
+def paired_lower_bound(diffs: Sequence[float], confidence: float) -> tuple[float, float, float]:
+    """(mean, standard error, one-sided Student-t lower bound) of per-record differences.
+    Fewer than two records give no error estimate: the bound is -inf."""
+    n = len(diffs)
+    if n == 0:
+        return math.nan, math.inf, -math.inf
+    mean = sum(diffs) / n
+    if n < 2:
+        return mean, math.inf, -math.inf
+    stderr = math.sqrt(sum((d - mean) ** 2 for d in diffs) / (n - 1) / n)
+    return mean, stderr, mean - t_quantile(confidence, n - 1) * stderr if stderr > 0 else mean
+
+
+def most_recent(records: Sequence[SequenceRecord], count: int) -> list[SequenceRecord]:
+    """The `count` newest records by ``captured_at`` (ties: later in the input is newer), oldest first."""
+    order = sorted(range(len(records)), key=lambda i: (records[i].captured_at, i))
+    return [records[i] for i in order[-count:]] if count > 0 else []
+
+
+@torch.no_grad()
+def evaluate_gate(
+    target: TargetModel,
+    candidate,
+    serving,
+    records: Sequence[SequenceRecord],
+    cfg: GateConfig,
+    *,
+    max_blocks_per_record: int | None = None,
+    max_tokens: int = DEFAULT_MAX_TOKENS,
+    progress: bool = False,
+) -> GateResult:
+    """Simulated acceptance of `candidate` vs `serving` on held-out `records`
+    (the newest ``cfg.max_records``) and the promotion decision (module docstring).
+    ``max_blocks_per_record`` defaults to ``cfg.max_blocks_per_record``; records
+    are cut after the last anchor below ``max_tokens``."""
+    start = time.perf_counter()
+    cap = max_blocks_per_record or cfg.max_blocks_per_record
+    diffs: list[float] = []
+    sums, n_blocks = [0.0, 0.0], 0
+    for rec in tqdm(most_recent(records, cfg.max_records), desc="gate", unit="rec", disable=not progress):
+        anchors = gate_anchors(rec, cap, max_tokens)
+        if not anchors:
+            continue
+        expected, _ = simulate_record(target, (candidate, serving), rec, anchors)  # [2, M]
+        expected = expected.double().cpu()
+        sums = [sums[0] + float(expected[0].sum()), sums[1] + float(expected[1].sum())]
+        n_blocks += len(anchors)
+        diffs.append(float((expected[0] - expected[1]).mean()))
+    tau_c, tau_s = ((1 + s / n_blocks) if n_blocks else math.nan for s in sums)
+    mean, stderr, lower = paired_lower_bound(diffs, cfg.confidence)
+    n = len(diffs)
+    if n < cfg.min_records:
+        passed, reason = False, f"not enough held-out records ({n} < {cfg.min_records})"
+    elif lower > cfg.margin:
+        passed, reason = True, (f"tau gain lower bound {lower:.4f} > margin {cfg.margin:g} "
+                                f"at {cfg.confidence:g} confidence over {n} records")
+    else:
+        passed, reason = False, (f"tau gain lower bound {lower:.4f} <= margin {cfg.margin:g} "
+                                 f"at {cfg.confidence:g} confidence over {n} records")
+    return GateResult(
+        n_records=n, n_blocks=n_blocks, tau_candidate=tau_c, tau_serving=tau_s,
+        diff_mean=tau_c - tau_s, record_diff_mean=mean, record_diff_stderr=stderr, record_diff_lower=lower,
+        confidence=cfg.confidence, margin=cfg.margin, passed=passed, reason=reason,
+        seconds=time.perf_counter() - start,
+    )

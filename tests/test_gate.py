@@ -1,0 +1,235 @@
+"""Promotion gate on tiny real models: the simulator agrees with the reference
+verifier (exactly at T = 0, in expectation at T > 0), and the paired decision
+promotes a clearly better drafter, not an equal one, not on too little data."""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import json
+import math
+
+import pytest
+import torch
+
+from online_opd.config import GateConfig, TrainerConfig
+from online_opd.gate import (
+    evaluate_gate,
+    gate_anchors,
+    is_held_out,
+    paired_lower_bound,
+    simulate_record,
+    split_held_out,
+    t_quantile,
+)
+from online_opd.specdec import processed_probs, speculative_generate, verify_greedy, verify_rejection
+from online_opd.train.loop import train
+from online_opd.train.sequences import TrainSequence, compute_aux_hidden
+from online_opd.train.sft import sample_anchors, sft_loss
+from tests.tiny import tiny_drafter, tiny_target
+
+K = 4
+NEW_TOKENS = 28
+
+
+def _prompts(num: int, offset: int) -> list[list[int]]:
+    return [torch.randint(1, 60, (4,), generator=torch.Generator().manual_seed(offset + i)).tolist()
+            for i in range(num)]
+
+
+def _record(target, drafter, prompt, name, temperature=0.0, top_p=1.0, top_k=0, seed=0):
+    """The record a serving engine captures for one request."""
+    gen = torch.Generator().manual_seed(seed)
+    result = speculative_generate(target, drafter, prompt, max_new_tokens=NEW_TOKENS, temperature=temperature,
+                                  top_p=top_p, top_k=top_k, generator=gen)
+    return result.to_record(record_id=name, model_id="tiny", drafter_version="v0", temperature=temperature,
+                            top_p=top_p, top_k=top_k)
+
+
+@pytest.fixture(scope="module")
+def target():
+    return tiny_target(seed=1)
+
+
+@pytest.fixture(scope="module")
+def serving(target):
+    return tiny_drafter(target, block_size=K, seed=2)
+
+
+@pytest.fixture(scope="module")
+def records(target, serving):
+    """Eight greedy requests served with the (random) serving drafter, as captured."""
+    return [_record(target, serving, p, f"r{i}") for i, p in enumerate(_prompts(8, 0))]
+
+
+@pytest.fixture(scope="module")
+def trained(target, serving, records, tmp_path_factory):
+    """The serving drafter after SFT on the records' sequences: clearly better on them.
+    (A random-weight target has no structure to generalise to unseen prompts.)"""
+    drafter = copy.deepcopy(serving)
+    seqs = [TrainSequence(torch.tensor(r.tokens), r.prompt_len) for r in records]
+    compute_aux_hidden(target, seqs, drafter.target_layer_ids, progress=False)
+    gen = torch.Generator().manual_seed(0)
+    anchors = [sample_anchors(s.prompt_len, s.num_tokens, 32, gen) for s in seqs]
+    cfg = TrainerConfig(objective="sft", lr=1e-2, num_steps=60, warmup_ratio=0.0, checkpoint_every=1000)
+    train(lambda step: sft_loss(drafter, seqs[step % 8], anchors[step % 8], decay=7.0), drafter, cfg,
+          tmp_path_factory.mktemp("sft"), progress=False)
+    return drafter.eval()
+
+
+class GreedyOracle:
+    """Proposes the target's own greedy continuation (K target forwards per anchor)."""
+
+    target_layer_ids = (0, 2)
+
+    def __init__(self, target, block_size):
+        self.target = target
+        self.cfg = type("Cfg", (), {"block_size": block_size})()
+
+    def propose(self, _aux, anchors, _anchor_tokens, token_ids):
+        blocks = []
+        for a in anchors.tolist():
+            seq = token_ids[: a + 1].tolist()
+            for _ in range(self.cfg.block_size):
+                seq.append(int(self.target.forward(torch.tensor(seq)).logits[-1].argmax()))
+            blocks.append(seq[a + 1:])
+        return torch.tensor(blocks)
+
+
+def _reference_logits(target, record, anchor, draft):
+    """[K+1, vocab] target logits after tokens[:a+1] + d_<k from a plain forward, as specdec verifies."""
+    seq = torch.tensor(list(record.tokens[: anchor + 1]) + list(draft))
+    return target.forward(seq, logits_at=torch.arange(anchor, anchor + len(draft) + 1)).logits
+
+
+def test_greedy_simulation_equals_reference_verification(target, serving, trained, records):
+    record = records[0]
+    anchors = [b.anchor for b in record.blocks]
+    expected, (trained_drafts, serving_drafts) = simulate_record(target, (trained, serving), record, anchors)
+    # the drafter that served the request re-proposes its logged blocks and gets its logged r
+    assert serving_drafts.tolist() == [list(b.draft_tokens) for b in record.blocks]
+    assert expected[1].tolist() == [float(b.num_accepted) for b in record.blocks]
+    # another drafter's blocks: exactly what greedy verification would accept
+    reference = [verify_greedy(d, _reference_logits(target, record, a, d.tolist()))[0]
+                 for a, d in zip(anchors, trained_drafts)]
+    assert expected[0].tolist() == [float(r) for r in reference]
+    assert sum(reference) > len(reference)  # the comparison includes multi-token accepts
+
+
+def test_drafters_with_other_block_sizes_share_the_packed_forward(target, trained, records):
+    short = tiny_drafter(target, block_size=2, seed=3)
+    record = records[1]
+    anchors = gate_anchors(record, 10)
+    together, (long_drafts, short_drafts) = simulate_record(target, (trained, short), record, anchors)
+    assert long_drafts.shape == (len(anchors), K) and short_drafts.shape == (len(anchors), 2)
+    alone, _ = simulate_record(target, (short,), record, anchors)
+    assert torch.equal(together[1], alone[0])
+    assert float(together[1].max()) <= 2
+
+
+def test_equal_drafters_differ_by_exactly_zero_and_do_not_pass(target, serving, records):
+    result = evaluate_gate(target, copy.deepcopy(serving), serving, records, GateConfig())
+    assert result.n_records == 8 and result.n_blocks == sum(len(r.blocks) for r in records)
+    assert result.tau_candidate == result.tau_serving and result.diff_mean == 0.0
+    assert result.record_diff_mean == 0.0 and result.record_diff_lower == 0.0
+    assert not result.passed and "<= margin 0" in result.reason
+
+
+def test_trained_candidate_passes_against_the_random_serving_drafter(target, serving, trained, records):
+    result = evaluate_gate(target, trained, serving, records, GateConfig())
+    assert result.passed, result.reason
+    assert result.tau_candidate > result.tau_serving + 0.5
+    assert result.record_diff_lower > 0 and result.record_diff_stderr > 0
+    json.dumps(result.to_dict(), allow_nan=False)
+    # the same comparison turned around fails, and a high margin stops the promotion
+    assert not evaluate_gate(target, serving, trained, records, GateConfig()).passed
+    assert not evaluate_gate(target, trained, serving, records, GateConfig(margin=5.0)).passed
+
+
+def test_too_few_records_fail_with_the_reason(target, serving, trained, records):
+    result = evaluate_gate(target, trained, serving, records[:3], GateConfig())
+    assert not result.passed and result.reason == "not enough held-out records (3 < 8)"
+    assert result.n_records == 3 and result.tau_candidate > result.tau_serving  # figures still reported
+    empty = evaluate_gate(target, trained, serving, [], GateConfig())
+    assert empty.n_blocks == 0 and not empty.passed
+    assert empty.to_dict()["tau_candidate"] is None
+    json.dumps(empty.to_dict(), allow_nan=False)
+
+
+def test_sampled_records_match_rejection_sampling_in_expectation(target, serving, trained):
+    sampling = {"temperature": 0.3, "top_p": 0.9, "top_k": 20}
+    record = _record(target, serving, [9, 4, 33, 20], "s", seed=1, **sampling)
+    anchors = [b.anchor for b in record.blocks][:6]
+    expected, _ = simulate_record(target, (trained, serving), record, anchors)
+    assert bool(((expected >= 0) & (expected <= K)).all())
+    # the oracle's blocks are often accepted at this temperature: a demanding comparison
+    oracle = GreedyOracle(target, K)
+    expected, (drafts,) = simulate_record(target, (oracle,), record, anchors[:2])
+    gen = torch.Generator().manual_seed(0)
+    for i in range(2):
+        logits = _reference_logits(target, record, anchors[i], drafts[i].tolist())
+        probs = processed_probs(logits, sampling["temperature"], sampling["top_p"], sampling["top_k"])
+        samples = [verify_rejection(drafts[i], probs, gen)[0] for _ in range(2000)]
+        mean = sum(samples) / len(samples)
+        stderr = math.sqrt(sum((s - mean) ** 2 for s in samples) / len(samples) / len(samples))
+        assert 0.2 < float(expected[0, i]) < K - 0.2
+        assert abs(float(expected[0, i]) - mean) < 4 * stderr
+    # top_k = 1 leaves only the argmax: the same as greedy verification
+    greedy, _ = simulate_record(target, (trained,), dataclasses.replace(record, temperature=0.0), anchors)
+    top1, _ = simulate_record(target, (trained,), dataclasses.replace(record, top_k=1), anchors)
+    assert torch.equal(greedy, top1)
+
+
+def test_oracle_acceptance_falls_with_temperature(target, records):
+    oracle = GreedyOracle(target, K)
+    record = records[2]
+    anchors = gate_anchors(record, 4)
+    def mean_expected(rec):
+        return float(simulate_record(target, (oracle,), rec, anchors)[0].mean())
+
+    means = [mean_expected(dataclasses.replace(record, temperature=t)) for t in (0.0, 0.5, 1.0, 2.0)]
+    assert means[0] == K  # the target's own greedy block is always accepted at T = 0
+    assert all(a > b for a, b in zip(means, means[1:])) and means[-1] > 0
+    nucleus = dataclasses.replace(record, temperature=1.0, top_p=0.5)
+    assert mean_expected(nucleus) > means[2]  # top-p drops the tail, so the argmax gains mass
+
+
+def test_anchor_cap_and_truncation(target, serving, trained, records):
+    record = records[0]
+    logged = [b.anchor for b in record.blocks]
+    five = gate_anchors(record, 5)
+    assert len(five) == 5 and five[0] == logged[0] and five[-1] == logged[-1] and set(five) <= set(logged)
+    assert gate_anchors(record, 100, max_tokens=16) == [a for a in logged if a < 16]
+    result = evaluate_gate(target, trained, serving, records, GateConfig(), max_blocks_per_record=3)
+    assert result.n_blocks == 3 * 8
+    newest = [dataclasses.replace(r, captured_at=float(i)) for i, r in enumerate(records)]
+    capped = evaluate_gate(target, trained, serving, newest[::-1], GateConfig(min_records=2, max_records=2))
+    assert capped.n_blocks == len(records[6].blocks) + len(records[7].blocks)
+
+
+def test_t_quantile_and_paired_bound():
+    table = {(0.9, 1): 3.0777, (0.9, 2): 1.8856, (0.99, 3): 4.5407, (0.9, 7): 1.4149, (0.95, 7): 1.8946,
+             (0.975, 10): 2.2281, (0.95, 30): 1.6973}
+    for (p, dof), value in table.items():
+        assert abs(t_quantile(p, dof) - value) < 1e-4
+    assert abs(t_quantile(0.1, 7) + 1.4149) < 1e-4
+    assert abs(t_quantile(0.9, 5000) - 1.2816) < 1e-3
+    mean, stderr, lower = paired_lower_bound([1.0, 2.0, 3.0], 0.9)
+    assert mean == 2.0 and abs(stderr - 1 / math.sqrt(3)) < 1e-12
+    assert abs(lower - (2.0 - 1.8856 / math.sqrt(3))) < 1e-4
+    assert paired_lower_bound([0.5], 0.9)[2] == -math.inf
+    assert paired_lower_bound([0.5, 0.5], 0.9)[2] == 0.5
+
+
+def test_held_out_split_is_stable_by_record_id():
+    ids = [f"req-{i}" for i in range(2000)]
+    share = sum(is_held_out(i, 0.1) for i in ids) / len(ids)
+    assert 0.08 < share < 0.12
+    assert [is_held_out(i, 0.1) for i in ids] == [is_held_out(i, 0.1) for i in ids]
+    assert all(is_held_out(i, 0.3) for i in ids if is_held_out(i, 0.1))  # shares nest
+
+
+def test_split_held_out_partitions(records):
+    train_part, held = split_held_out(records, 0.5)
+    assert sorted(r.record_id for r in train_part + held) == sorted(r.record_id for r in records)
+    assert all(is_held_out(r.record_id, 0.5) for r in held)
