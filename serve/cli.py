@@ -61,6 +61,34 @@ def build_parser() -> argparse.ArgumentParser:
     _add_config_args(p)
     p.add_argument("--drafter", type=Path, required=True, help="drafter checkpoint folder")
     p.add_argument("--out", type=Path, default=None, help="also write the JSON result here")
+
+    p = sub.add_parser(
+        "serve", help="OpenAI-compatible vLLM server with capture, hot reload and /metrics",
+        description="Run vLLM's OpenAI-compatible server (127.0.0.1:8000 by default) with the drafter "
+                    "from the registry, capture into the trace buffer and the online_opd_* metrics. "
+                    "Flags online-opd does not know are passed to `vllm serve` unchanged "
+                    "(e.g. --max-num-seqs 64 --port 9000).")
+    p.add_argument("-c", "--config", type=Path, default=None, help="YAML config (default: embedded CPU)")
+    p.add_argument("-o", "--override", action="append", default=[], metavar="KEY=VALUE",
+                   help="dotted config override, repeatable (e.g. -o capture.sample_rate=0.1)")
+    p.add_argument("--drafter", type=Path, default=None,
+                   help="checkpoint to serve first (default: the registry's current version)")
+    p.add_argument("--no-capture", action="store_true", help="serve without recording traffic")
+    p.add_argument("--dry-run", action="store_true", help="print the vLLM command and environment, exit")
+
+    p = sub.add_parser("reload", help="hot-load a drafter into a running server (admin token required)")
+    p.add_argument("path", nargs="?", type=Path, help="checkpoint folder (as the server sees it)")
+    p.add_argument("--version", default=None, help="a registry version instead of a path")
+    p.add_argument("--sha256", default=None, help="expected sha256 of model.safetensors (default: manifest)")
+    p.add_argument("--url", default="http://127.0.0.1:8000", help="server base URL")
+    p.add_argument("--token-env", default="ONLINE_OPD_ADMIN_TOKEN", help="env var holding the admin token")
+    p.add_argument("--timeout", type=float, default=120.0, help="seconds to wait for the reply")
+
+    from serve import buffer_cli, drafters_cli, loadgen
+
+    buffer_cli.add_parser(sub)
+    drafters_cli.add_parser(sub)
+    loadgen.add_parser(sub)
     return parser
 
 
@@ -72,8 +100,43 @@ def _emit(result: dict, out: Path | None = None) -> None:
         out.write_text(text + "\n")
 
 
-def _run(args: argparse.Namespace) -> int:
+def _reload(args: argparse.Namespace) -> int:
+    import httpx
+
+    token = os.environ.get(args.token_env)
+    if not token:
+        raise ValueError(f"set {args.token_env} to the server's admin token")
+    if (args.path is None) == (args.version is None):
+        raise ValueError("give a checkpoint PATH or --version, not both")
+    body = {"path": str(args.path.resolve())} if args.path is not None else {"version": args.version}
+    if args.sha256:
+        body["sha256"] = args.sha256
+    reply = httpx.post(f"{args.url.rstrip('/')}/online-opd/v1/reload", json=body, timeout=args.timeout,
+                       headers={"Authorization": f"Bearer {token}"})
+    try:
+        result = reply.json()
+    except ValueError:
+        result = {"ok": False, "status_code": reply.status_code, "error": reply.text}
+    _emit(result)
+    return 0 if reply.status_code == 200 else 1
+
+
+def _run(args: argparse.Namespace, extra: list[str]) -> int:
     progress = not args.no_progress
+    if extra and args.command != "serve":
+        raise ValueError(f"unrecognized arguments: {' '.join(extra)}")
+    if args.command in ("buffer", "drafters", "loadgen"):
+        from serve import buffer_cli, drafters_cli, loadgen
+
+        return {"buffer": buffer_cli, "drafters": drafters_cli, "loadgen": loadgen}[args.command].run(args)
+    if args.command == "reload":
+        return _reload(args)
+    if args.command == "serve":
+        from serve.server import serve
+
+        cfg = load_config(args.config, args.override)
+        return serve(cfg, drafter=args.drafter, capture=not args.no_capture, passthrough=extra,
+                     progress=progress, dry_run=args.dry_run)
     if args.command == "setup":
         from online_opd.target import ensure_embedded_target
 
@@ -108,11 +171,11 @@ def _run(args: argparse.Namespace) -> int:
 def main(argv: list[str] | None = None) -> int:
     # stdout carries the JSON result; vLLM logs to stdout unless told otherwise
     os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")
-    args = build_parser().parse_args(argv)
+    args, extra = build_parser().parse_known_args(argv)
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
     try:
-        return _run(args)
+        return _run(args, extra)
     except (ConfigError, FileNotFoundError, ValueError, RuntimeError) as exc:
         logger.error("%s", exc)
         return 2

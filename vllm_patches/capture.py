@@ -1,0 +1,367 @@
+"""Capture of verification outcomes inside the vLLM worker (the model runner).
+
+For every drafted block the engine verifies we record the anchor, the drafted
+ids and the verifier's accepted count, on the worker side, where the real ids
+are (with async scheduling the scheduler only sees placeholder drafts):
+
+- ``_sample`` (after the rejection sampler ran): snapshot, for the requests we
+  track, the anchor (= tokens already computed before this step: the index of
+  the last verified token, fed first in this step), the drafted ids of this
+  step (``spec_decode_metadata.draft_token_ids``, copied to the host without a
+  sync: a non-blocking copy on the compute stream, awaited only when the step's
+  output is read) and the per-request draft counts.
+- ``sample_tokens`` returns the step's output. Its ``sampled_token_ids`` hold,
+  per request, the accepted drafts plus the bonus token (rejected slots
+  removed), so ``r = len(sampled) - 1``. With async scheduling the output is an
+  ``AsyncModelRunnerOutput`` whose ``get_output()`` vLLM calls later, after its
+  own host copy; we read the step there, so the capture adds no device sync.
+- ``_update_states`` sees new requests (prompt ids, sampling parameters: the
+  sample/opt-out decision is made here), preemptions and finished requests. A
+  finished request's blocks are joined with its prompt and output ids into a
+  SequenceRecord and handed to the buffer writer's queue (``submit`` never
+  blocks: when the writer falls behind, records are dropped and counted).
+
+Output ids are the tokens the worker sampled. They are cut at ``max_tokens``
+and at the first stop token id; tokens after a *stop string* (matched by the
+front end on text) stay in the record: they are still the target's tokens.
+Blocks drafted after the last kept token are dropped.
+
+Only one rank captures (tensor-parallel rank 0 of the last pipeline stage).
+Nothing here raises into vLLM: errors are logged once and counted.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import random
+import threading
+import time
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from pydantic import BaseModel, ConfigDict
+
+from online_opd.buffer import BufferWriter
+from online_opd.records import BlockRecord, SequenceRecord
+
+logger = logging.getLogger("online_opd.capture")
+
+#: ``vllm_xargs`` key a client sets to false to keep its request out of the buffer.
+OPT_OUT_KEY = "online_opd_capture"
+
+
+class CaptureSettings(BaseModel):
+    """Capture settings handed to engine processes as JSON in ``ONLINE_OPD_CAPTURE``."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    buffer_dir: str
+    model_id: str = "unknown"
+    drafter_version: str = "unknown"
+    sample_rate: float = 1.0
+    queue_size: int = 4096
+    flush_records: int = 256
+    flush_interval_s: float = 5.0
+    max_bytes: int | None = None
+    max_age_s: float | None = None
+    writer_id: str = ""
+    seed: int | None = None
+
+    def to_env(self) -> str:
+        return self.model_dump_json()
+
+
+def opted_out(sampling_params: Any) -> bool:
+    """True when the request asked not to be captured (``vllm_xargs={"online_opd_capture": false}``)."""
+    extra = getattr(sampling_params, "extra_args", None) or {}
+    value = extra.get(OPT_OUT_KEY, True)
+    if isinstance(value, str):
+        return value.strip().lower() in {"0", "false", "no", "off"}
+    return value is False or value == 0
+
+
+@dataclass
+class _Tracked:
+    prompt: list[int]
+    temperature: float
+    top_p: float
+    top_k: int
+    max_tokens: int | None
+    min_tokens: int
+    stop_ids: frozenset[int]
+    version: str
+    outputs: list[int] = field(default_factory=list)
+    blocks: list[BlockRecord] = field(default_factory=list)
+    events: list[dict] = field(default_factory=list)
+
+    def last_anchor(self) -> int:
+        return self.blocks[-1].anchor if self.blocks else len(self.prompt) - 1
+
+
+@dataclass
+class _Step:
+    """Drafted blocks of one engine step for the tracked requests, host copy pending."""
+
+    blocks: dict[str, tuple[int, int, int]]  # req_id -> (anchor, offset, count) into draft_ids
+    draft_ids: torch.Tensor  # flat host tensor (may still be in flight)
+    ready: Any  # a device event, or None when the copy is already done
+
+    def drafts(self) -> dict[str, tuple[int, list[int]]]:
+        if self.ready is not None:
+            self.ready.synchronize()
+        flat = self.draft_ids.tolist()
+        return {rid: (anchor, flat[off:off + n]) for rid, (anchor, off, n) in self.blocks.items()}
+
+
+class Capture:
+    """Per-process capture state shared by the patched model-runner methods."""
+
+    def __init__(self, settings: CaptureSettings):
+        self.settings = settings
+        self.version = settings.drafter_version
+        self._tracked: dict[str, _Tracked] = {}
+        self._lock = threading.Lock()
+        self._rng = random.Random(settings.seed)
+        self._writer: BufferWriter | None = None
+        self._errors_logged: set[str] = set()
+        self.counters = {"requests_seen": 0, "captured": 0, "dropped": 0, "opted_out": 0,
+                         "not_sampled": 0, "blocks": 0, "errors": 0}
+
+    # -- engine events -------------------------------------------------------------------------
+    def on_schedule(self, scheduler_output: Any) -> None:
+        """New, preempted and finished requests of a step (called before vLLM updates its state)."""
+        with self._lock:
+            for new in scheduler_output.scheduled_new_reqs:
+                self._start(new)
+            for rid in getattr(scheduler_output, "preempted_req_ids", None) or ():
+                if (t := self._tracked.get(rid)) is not None:
+                    t.events.append({"anchor_before": t.last_anchor(), "kind": "preemption"})
+            finished = [rid for rid in scheduler_output.finished_req_ids if rid in self._tracked]
+            done = [self._tracked.pop(rid) for rid in finished]
+        for t in done:
+            self._finish(t)
+
+    def snapshot_step(self, input_batch: Any, metadata: Any) -> _Step | None:
+        """Anchors and drafted ids of this step for tracked requests (no device sync)."""
+        with self._lock:
+            if not self._tracked:
+                return None
+            blocks: dict[str, tuple[int, int, int]] = {}
+            offset = 0
+            computed = input_batch.num_computed_tokens_cpu
+            for i, (rid, n) in enumerate(zip(input_batch.req_ids, metadata.num_draft_tokens)):
+                if n > 0 and rid in self._tracked:
+                    blocks[rid] = (int(computed[i]), offset, int(n))
+                offset += n
+        if not blocks:
+            return None
+        draft_ids, ready = _to_host(metadata.draft_token_ids)
+        return _Step(blocks, draft_ids, ready)
+
+    def on_output(self, step: _Step | None, req_ids: list[str], sampled: list[list[int]]) -> None:
+        """Append a step's sampled tokens and verified blocks to the tracked requests."""
+        drafts = step.drafts() if step is not None else {}
+        with self._lock:
+            for rid, tokens in zip(req_ids, sampled):
+                t = self._tracked.get(rid)
+                if t is None or not tokens:
+                    continue  # not tracked, or a discarded sample (partial prefill)
+                if rid in drafts:
+                    anchor, ids = drafts[rid]
+                    if ids and min(ids) >= 0:  # the drafter ran (ids are real, not padding)
+                        t.blocks.append(BlockRecord(anchor, tuple(ids), len(tokens) - 1))
+                t.outputs.extend(tokens)
+
+    def set_version(self, version: str) -> None:
+        """A new drafter serves from the next step on: mark it in the requests in flight."""
+        with self._lock:
+            self.version = version
+            for t in self._tracked.values():
+                t.events.append({"anchor_before": t.last_anchor(), "kind": "drafter_reload",
+                                 "version": version})
+
+    # -- figures ---------------------------------------------------------------------------------
+    def stats(self) -> dict:
+        with self._lock:
+            out = dict(self.counters, in_flight=len(self._tracked), version=self.version)
+        if self._writer is not None:
+            writer = self._writer.stats()
+            out["writer"] = writer
+            out["dropped"] += int(writer.get("dropped", 0))
+        return out
+
+    def close(self, timeout: float = 10.0) -> None:
+        if self._writer is not None:
+            self._writer.close(timeout)
+
+    def error(self, where: str, exc: BaseException) -> None:
+        """Count an internal error; log its first occurrence per place (never raise into vLLM)."""
+        self.counters["errors"] += 1
+        if where not in self._errors_logged:
+            self._errors_logged.add(where)
+            logger.exception("online-opd capture error in %s (further ones are counted only): %s",
+                             where, exc)
+
+    # -- internals -------------------------------------------------------------------------------
+    def _start(self, new: Any) -> None:
+        sp = new.sampling_params
+        if sp is None or new.prompt_token_ids is None:
+            return  # pooling or embeddings input: nothing to record
+        self.counters["requests_seen"] += 1
+        if opted_out(sp):
+            self.counters["opted_out"] += 1
+            return
+        if self._rng.random() >= self.settings.sample_rate:
+            self.counters["not_sampled"] += 1
+            return
+        stop = set(sp.stop_token_ids or ())
+        if not sp.ignore_eos and getattr(sp, "eos_token_id", None) is not None:
+            stop.add(sp.eos_token_id)
+        self._tracked[new.req_id] = _Tracked(
+            prompt=list(new.prompt_token_ids), temperature=float(sp.temperature),
+            top_p=float(sp.top_p), top_k=max(int(sp.top_k or 0), 0), max_tokens=sp.max_tokens,
+            min_tokens=int(sp.min_tokens or 0), stop_ids=frozenset(stop), version=self.version)
+
+    def _finish(self, t: _Tracked) -> None:
+        outputs = t.outputs[: t.max_tokens] if t.max_tokens is not None else t.outputs
+        for j, tok in enumerate(outputs):
+            if j + 1 >= t.min_tokens and tok in t.stop_ids:
+                outputs = outputs[: j + 1]
+                break
+        if not outputs:
+            return
+        tokens = t.prompt + outputs
+        blocks = tuple(b for b in t.blocks if b.anchor <= len(tokens) - 2)
+        record = SequenceRecord(
+            record_id=uuid.uuid4().hex, model_id=self.settings.model_id, drafter_version=t.version,
+            temperature=t.temperature, top_p=t.top_p, top_k=t.top_k, tokens=tuple(tokens),
+            prompt_len=len(t.prompt), blocks=blocks, events=tuple(t.events), captured_at=time.time())
+        if self._get_writer().submit(record):
+            self.counters["captured"] += 1
+            self.counters["blocks"] += len(blocks)
+
+    def _get_writer(self) -> BufferWriter:
+        if self._writer is None:  # started lazily: only the capturing process runs a writer thread
+            s = self.settings
+            self._writer = BufferWriter(
+                Path(s.buffer_dir), writer_id=s.writer_id or None,
+                maxsize=s.queue_size, flush_records=s.flush_records,
+                flush_interval_s=s.flush_interval_s, max_bytes=s.max_bytes, max_age_s=s.max_age_s)
+        return self._writer
+
+
+def _to_host(t: torch.Tensor) -> tuple[torch.Tensor, Any]:
+    """Start a host copy of a small device tensor without waiting for it."""
+    if t.device.type == "cpu":
+        return t.clone(), None
+    host = t.to("cpu", non_blocking=True)  # pinned destination: asynchronous on the compute stream
+    event = torch.cuda.Event() if t.device.type == "cuda" else None
+    if event is not None:
+        event.record()
+    else:
+        torch.accelerator.synchronize()  # other accelerators: correct first, fast later
+    return host, event
+
+
+# -- installation ---------------------------------------------------------------------------------
+_CAPTURE: Capture | None = None
+
+
+def current() -> Capture | None:
+    return _CAPTURE
+
+
+def _is_capturing_rank() -> bool:
+    try:
+        from vllm.distributed.parallel_state import get_pp_group, get_tp_group
+
+        return get_tp_group().rank_in_group == 0 and get_pp_group().is_last_rank
+    except Exception:  # parallel state not initialised (single process): capture
+        return True
+
+
+def install(settings: CaptureSettings) -> Capture:
+    """Patch the V1 model runner (the CPU runner subclasses it) once per process."""
+    global _CAPTURE
+    if _CAPTURE is not None:
+        return _CAPTURE
+    from vllm.v1.outputs import ModelRunnerOutput
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    cap = _CAPTURE = Capture(settings)
+    orig_update, orig_sample, orig_sample_tokens = (
+        GPUModelRunner._update_states, GPUModelRunner._sample, GPUModelRunner.sample_tokens)
+
+    def _enabled(runner: Any) -> bool:
+        enabled = getattr(runner, "_online_opd_capture", None)
+        if enabled is None:
+            enabled = runner._online_opd_capture = (
+                runner.speculative_config is not None and _is_capturing_rank())
+        return enabled
+
+    def _update_states(self, scheduler_output, *args, **kwargs):
+        if _enabled(self):
+            try:
+                cap.on_schedule(scheduler_output)
+            except Exception as exc:
+                cap.error("_update_states", exc)
+        return orig_update(self, scheduler_output, *args, **kwargs)
+
+    def _sample(self, logits, spec_decode_metadata, *args, **kwargs):
+        out = orig_sample(self, logits, spec_decode_metadata, *args, **kwargs)
+        if spec_decode_metadata is not None and _enabled(self):
+            try:
+                self._online_opd_step = cap.snapshot_step(self.input_batch, spec_decode_metadata)
+            except Exception as exc:
+                cap.error("_sample", exc)
+        return out
+
+    def sample_tokens(self, *args, **kwargs):
+        self._online_opd_step = None
+        out = orig_sample_tokens(self, *args, **kwargs)
+        if not _enabled(self):
+            return out
+        step, self._online_opd_step = self._online_opd_step, None
+        try:
+            if hasattr(out, "get_output"):  # async scheduling: read the step when vLLM does
+                vllm_get_output = out.get_output
+
+                def get_output():
+                    result = vllm_get_output()
+                    try:
+                        cap.on_output(step, result.req_ids, result.sampled_token_ids)
+                    except Exception as exc:
+                        cap.error("get_output", exc)
+                    return result
+
+                out.get_output = get_output
+            elif isinstance(out, ModelRunnerOutput) and out.req_ids:
+                cap.on_output(step, out.req_ids, out.sampled_token_ids)
+        except Exception as exc:
+            cap.error("sample_tokens", exc)
+        return out
+
+    GPUModelRunner._update_states = _update_states
+    GPUModelRunner._sample = _sample
+    GPUModelRunner.sample_tokens = sample_tokens
+    logger.info("online-opd capture installed: buffer %s, sample rate %.3g",
+                settings.buffer_dir, settings.sample_rate)
+    return cap
+
+
+def install_from_env() -> Capture | None:
+    from vllm_patches import CAPTURE_ENV
+
+    raw = os.environ.get(CAPTURE_ENV)
+    if not raw:
+        return None
+    try:
+        settings = CaptureSettings.model_validate(json.loads(raw))
+    except Exception as exc:
+        raise ValueError(f"{CAPTURE_ENV} is not valid capture settings JSON: {exc}") from exc
+    return install(settings)

@@ -1,0 +1,223 @@
+"""Worker extension (``--worker-extension-cls vllm_patches.worker_ext.OnlineOPDWorkerExtension``).
+
+vLLM mixes this class into every worker; the server calls its methods with
+``engine_client.collective_rpc(name, args=...)``, which runs them between
+engine steps. Methods return plain dicts and never raise: a failed reload
+must leave the engine serving on its previous drafter.
+
+Hot reload (REFERENCE.md §2): the drafter is reloaded through its own
+``load_weights`` (DFlash rebuilds its fused context K/V buffers there; a bare
+``param.copy_`` would leave them stale) with the drafter's tensors only: the
+shared embeddings and LM head are never sent. On the CPU backend, vLLM repacks
+every unquantized linear weight after loading and leaves ``layer.weight`` empty;
+those parameters are registered again at full size before ``load_weights`` and
+repacked afterwards with the layer's own ``process_weights_after_loading``.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import load_file
+
+from online_opd.drafters.checkpoint import (
+    CONFIG_FILE,
+    WEIGHTS_FILE,
+    CheckpointError,
+    read_manifest,
+    sha256_file,
+)
+from online_opd.drafters.registry import drafter_class_for_config
+
+logger = logging.getLogger("online_opd.reload")
+
+# config.json keys that do not change the drafter's shapes or computation
+_NON_STRUCTURAL = {"_name_or_path", "transformers_version", "torch_dtype", "dtype"}
+_SHARED = ("embed_tokens", "lm_head")
+
+
+class ReloadError(ValueError):
+    """A checkpoint was refused (hash, config, tensors) or could not be loaded."""
+
+
+def checkpoint_version(path: Path) -> str:
+    return str(read_manifest(path).get("version") or path.name)
+
+
+def read_checked_tensors(path: Path, sha256: str | None, serving_config: dict | None) -> dict[str, torch.Tensor]:
+    """Validate a drafter checkpoint for hot reload; returns its tensors (host memory).
+
+    Checks, before anything touches the serving model: the weights file's sha256
+    (when given), the manifest's hashes, that its config.json matches the serving
+    drafter's structure, and every tensor's name, shape and finiteness against the
+    drafter architecture (via the trainer's own module, so the two cannot drift).
+    """
+    weights, config_file = path / WEIGHTS_FILE, path / CONFIG_FILE
+    if not weights.is_file() or not config_file.is_file():
+        raise ReloadError(f"{path}: not a drafter checkpoint (needs {CONFIG_FILE} and {WEIGHTS_FILE})")
+    manifest = read_manifest(path)
+    expected = manifest.get("files", {})
+    for name in (CONFIG_FILE, WEIGHTS_FILE):  # each file is hashed once
+        actual = sha256_file(path / name)
+        for want, what in ((expected.get(name), "the manifest"), (sha256 if name == WEIGHTS_FILE else None,
+                                                                  "the caller")):
+            if want and actual != want:
+                raise ReloadError(f"{path}: sha256 of {name} is {actual[:16]}…, {what} says {want[:16]}…")
+    try:
+        hf_config = json.loads(config_file.read_text())
+    except ValueError as exc:
+        raise ReloadError(f"{config_file}: not valid JSON ({exc})") from exc
+    if serving_config is not None:
+        diff = sorted(k for k in (hf_config.keys() | serving_config.keys()) - _NON_STRUCTURAL
+                      if hf_config.get(k) != serving_config.get(k))
+        if diff:
+            raise ReloadError(f"{path}: config differs from the serving drafter in {diff}; "
+                              "a different architecture needs a server restart")
+    try:
+        tensors = load_file(weights)
+    except Exception as exc:
+        raise ReloadError(f"{weights}: unreadable ({exc})") from exc
+    shared = [name for name in tensors if any(s in name for s in _SHARED)]
+    if shared:
+        raise ReloadError(f"{path}: carries shared target tensors {shared}; hot reload never overwrites them")
+    try:
+        cls = drafter_class_for_config(hf_config)
+        with torch.device("meta"):  # shapes only: no memory for a second copy of the drafter
+            module = cls(cls.config_cls.from_hf_config(hf_config))
+        _check_names_shapes(module, tensors, str(path))
+    except (CheckpointError, ValueError) as exc:
+        raise ReloadError(str(exc)) from exc
+    return tensors
+
+
+def _check_names_shapes(module: torch.nn.Module, tensors: dict[str, torch.Tensor], source: str) -> None:
+    expected = module.state_dict()
+    missing = sorted(set(expected) - set(tensors))
+    unexpected = sorted(set(tensors) - set(expected))
+    if missing:
+        raise CheckpointError(f"{source}: missing tensor(s) {missing}")
+    if unexpected:
+        raise CheckpointError(f"{source}: unexpected tensor(s) {unexpected}")
+    for name, tensor in tensors.items():
+        if tuple(tensor.shape) != tuple(expected[name].shape):
+            raise CheckpointError(f"{source}: tensor {name!r} has shape {tuple(tensor.shape)}, "
+                                  f"expected {tuple(expected[name].shape)}")
+        if not torch.isfinite(tensor).all():
+            raise CheckpointError(f"{source}: tensor {name!r} has non-finite values")
+
+
+
+def load_into_serving_model(model: torch.nn.Module, tensors: dict[str, torch.Tensor]) -> None:
+    """Load drafter tensors into vLLM's drafter module through its own ``load_weights``."""
+    from vllm.model_executor.layers.linear import LinearBase
+
+    linears = [m for m in model.modules() if isinstance(m, LinearBase)]
+    for layer in linears:
+        weight = getattr(layer, "weight", None)
+        if weight is not None and weight.numel() == 0:  # repacked by the CPU backend: restore
+            _reregister_weight(layer, weight.device)
+    model.load_weights(iter(tensors.items()))
+    for layer in linears:
+        method = getattr(layer, "quant_method", None)
+        if method is not None:
+            method.process_weights_after_loading(layer)
+
+
+def _reregister_weight(layer: Any, device: torch.device) -> None:
+    loader = getattr(layer, "weight_loader_v2", None)
+    from vllm.model_executor.layers.linear import WEIGHT_LOADER_V2_SUPPORTED
+
+    if loader is None or layer.quant_method.__class__.__name__ not in WEIGHT_LOADER_V2_SUPPORTED:
+        loader = layer.weight_loader
+    in_size = getattr(layer, "input_size_per_partition", layer.input_size)
+    with torch.device(device):
+        layer.quant_method.create_weights(
+            layer=layer, input_size_per_partition=in_size,
+            output_partition_sizes=list(layer.output_partition_sizes), input_size=layer.input_size,
+            output_size=layer.output_size, params_dtype=layer.params_dtype, weight_loader=loader)
+
+
+class OnlineOPDWorkerExtension:
+    """Methods added to vLLM's worker; ``self`` is the worker."""
+
+    def _online_opd_state(self) -> dict:
+        state = getattr(self, "_online_opd", None)
+        if state is None:
+            spec = self.vllm_config.speculative_config
+            path = Path(spec.model) if spec is not None and spec.model else None
+            version = checkpoint_version(path) if path is not None and path.is_dir() else None
+            config = (json.loads((path / CONFIG_FILE).read_text())
+                      if path is not None and (path / CONFIG_FILE).is_file() else None)
+            state = self._online_opd = {"path": path, "version": version, "config": config,
+                                        "reloads": {"ok": 0, "refused": 0, "failed": 0}}
+            from vllm_patches import capture
+
+            if (cap := capture.current()) is not None and version is not None:
+                cap.version = version
+        return state
+
+    def online_opd_reload(self, path: str, sha256: str | None = None) -> dict:
+        """Hot-load the drafter checkpoint at ``path``; returns {"ok", "version", "seconds", ...}."""
+        state = self._online_opd_state()
+        start = time.perf_counter()
+        ckpt = Path(path)
+        previous = state["version"]
+        try:
+            if self.model_runner.drafter is None or not hasattr(self.model_runner.drafter, "model"):
+                raise ReloadError("this engine serves no model-based drafter")
+            tensors = read_checked_tensors(ckpt, sha256, state["config"])
+        except (ReloadError, OSError) as exc:
+            state["reloads"]["refused"] += 1
+            logger.error("drafter reload refused, still serving %s: %s", previous, exc)
+            return {"ok": False, "result": "refused", "error": str(exc), "version": previous,
+                    "seconds": time.perf_counter() - start}
+        checked = time.perf_counter()
+        model = self.model_runner.drafter.model
+        try:
+            load_into_serving_model(model, tensors)
+        except Exception as exc:  # half-loaded: put the previous weights back
+            state["reloads"]["failed"] += 1
+            logger.exception("drafter reload of %s failed; restoring %s", ckpt, previous)
+            restored = self._restore(model, state)
+            return {"ok": False, "result": "failed", "error": f"{type(exc).__name__}: {exc}",
+                    "version": previous if restored else None, "restored": restored,
+                    "seconds": time.perf_counter() - start}
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        loaded = time.perf_counter()
+        version = checkpoint_version(ckpt)
+        state.update(path=ckpt, version=version)
+        state["reloads"]["ok"] += 1
+        from vllm_patches import capture
+
+        if (cap := capture.current()) is not None:
+            cap.set_version(version)
+        logger.info("drafter %s -> %s loaded in %.1f ms (checks %.1f ms)", previous, version,
+                    1e3 * (loaded - checked), 1e3 * (checked - start))
+        return {"ok": True, "result": "ok", "version": version, "previous": previous,
+                "seconds": loaded - start, "load_seconds": loaded - checked}
+
+    def _restore(self, model: torch.nn.Module, state: dict) -> bool:
+        path = state["path"]
+        if path is None:
+            return False
+        try:
+            load_into_serving_model(model, load_file(path / WEIGHTS_FILE))
+            return True
+        except Exception:
+            logger.exception("could not restore the previous drafter from %s", path)
+            return False
+
+    def online_opd_status(self) -> dict:
+        """Drafter version serving, reload counts and capture figures of this worker."""
+        state = self._online_opd_state()
+        from vllm_patches import capture
+
+        cap = capture.current()
+        return {"version": state["version"], "path": str(state["path"]) if state["path"] else None,
+                "reloads": dict(state["reloads"]), "capture": cap.stats() if cap is not None else None}
