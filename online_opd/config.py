@@ -24,8 +24,8 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from pydantic_core import ErrorDetails
 
 __all__ = ["ConfigError", "ModelConfig", "DrafterConfig", "DataConfig", "TrainerConfig", "EvalConfig",
-           "CaptureConfig", "ServeConfig", "GateConfig", "OnlineOPDConfig", "load_config", "apply_overrides",
-           "dump_config"]
+           "CaptureConfig", "ServeConfig", "GateConfig", "OnlineConfig", "OnlineOPDConfig", "load_config",
+           "apply_overrides", "dump_config"]
 
 PromptSource = Literal["sharegpt", "humaneval"]
 RESERVED_ENGINE_KEYS = {"model": "model.target", "speculative_config": "the drafter section",
@@ -218,6 +218,49 @@ class GateConfig(_Strict):
         return self
 
 
+class OnlineConfig(_Strict):
+    """Online trainer (online_opd/train/online.py, run as a Ray actor by serve/trainer_actor.py): tails
+    the trace buffer, replays recent records with the trainer section's objective, gates and publishes."""
+
+    enabled: bool = Field(True, description="Run the online trainer beside the server.")
+    window_records: int = Field(512, ge=1, description="Most recent train records that steps sample from.")
+    fresh_fraction: float = Field(
+        0.5, ge=0, le=1,
+        description="Replay ratio: share of a step's sequences taken from records not yet trained on "
+                    "(newest first); the rest are drawn uniformly from the window.")
+    min_records: int = Field(4, ge=1, description="Train records needed before the first step.")
+    poll_s: float = Field(2.0, gt=0, description="Seconds between buffer tails (and the wait when idle).")
+    settle_s: float = Field(
+        1.0, ge=0, description="Segments younger than this are left for the next tail (several writers).")
+    checkpoint_every: int = Field(50, ge=1, description="Steps between saves of the trainer's own state.")
+    num_threads: int = Field(
+        1, ge=1, description="torch CPU threads of the trainer (the rest of the cores stay with the engine).")
+    max_steps: int | None = Field(
+        None, ge=1, description="Stop after this many steps; null = run until stopped.")
+    state_dir: Path | None = Field(
+        None, description="Trainer state (resume); null = <serve.run_dir>/trainer.")
+    ray_address: str | None = Field(
+        None, description="null = start a local Ray; 'auto' or ray://host:port joins a cluster.")
+    num_cpus: float = Field(1.0, gt=0, description="CPUs the trainer actor reserves in Ray.")
+    num_gpus: float = Field(0.0, ge=0, description="GPUs the trainer actor reserves in Ray.")
+    device: str = Field(
+        "cpu", pattern=r"^(cpu|cuda)(:\d+)?$",
+        description="torch device of the trainer; cuda needs num_gpus > 0.")
+    max_restarts: int = Field(
+        3, ge=-1,
+        description="Ray restarts of a crashed trainer actor (-1 = always); it resumes from its state.")
+
+    def resolved_state_dir(self, run_dir: Path) -> Path:
+        """``state_dir``, or ``<run_dir>/trainer`` when unset."""
+        return self.state_dir or run_dir / "trainer"
+
+    @model_validator(mode="after")
+    def _device_has_gpu(self) -> OnlineConfig:
+        if self.device.startswith("cuda") and self.num_gpus <= 0:
+            raise ValueError("device cuda needs num_gpus > 0 (Ray hides GPUs from an actor reserving none)")
+        return self
+
+
 class OnlineOPDConfig(_Strict):
     """Root of an online-opd run configuration."""
 
@@ -233,6 +276,7 @@ class OnlineOPDConfig(_Strict):
     capture: CaptureConfig = Field(default_factory=CaptureConfig)
     serve: ServeConfig = Field(default_factory=ServeConfig)
     gate: GateConfig = Field(default_factory=GateConfig)
+    online: OnlineConfig = Field(default_factory=OnlineConfig)
     engine: dict[str, Any] = Field(
         default_factory=dict, description="vLLM engine keyword arguments, passed through as-is.")
 

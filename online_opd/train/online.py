@@ -1,0 +1,415 @@
+"""The online trainer: tail the trace buffer, replay recent records with Draft-OPD, gate, publish.
+
+``OnlineTrainer`` is the whole trainer as plain Python; serve/trainer_actor.py
+runs it as a Ray actor (this module imports neither ray nor vllm).
+
+Data. ``poll`` tails the buffer (``BufferReader.tail`` with ``settle_s``) and
+checks every record against the capture-fidelity contract: violators are
+dropped and counted (``records_invalid``), never trained on. Records without
+blocks, and train records whose blocks are not K = the drafter's block size
+long (served with another ``num_speculative_tokens``), cannot be replayed and
+are counted as ``records_unusable``. The rest is routed by the gate's stable
+hash (``gate.is_held_out``) to the held-out pool (the newest
+``gate.max_records``) or to the train window (the newest
+``online.window_records``). A train record is *fresh* until a step has
+replayed it.
+
+Sampling (the replay ratio). Each step replays ``trainer.sequences_per_step``
+records: ``round(online.fresh_fraction * n)`` fresh ones, newest first
+(drafted by the most recent serving drafter, so the most on-policy), and the
+rest uniformly from the whole window, with replacement. When fewer fresh
+records exist the window fills the gap, so an idle server still gets
+training on recent traffic. Each record contributes up to
+``trainer.anchors_per_sequence`` random blocks, replayed in one packed pass
+(replay.py) and scored with ``trainer.objective`` exactly as the offline
+``opd_step_fn`` does.
+
+Schedule. AdamW from train/optim.py with a linear warm-up over
+``round(trainer.warmup_ratio * trainer.num_steps)`` steps and then a constant
+``trainer.lr``. An endless run has no horizon for a cosine to decay over, and
+a decayed rate would stop the drafter from following drift in the traffic,
+which is the point of training online; the gate guards against a bad step
+reaching the servers.
+
+Gate and publish. Every ``gate.every_steps`` steps the trainer's drafter is
+compared with the registry's current one on the held-out pool
+(``gate.evaluate_gate``), published as a new registry version whose parent is
+the serving version (manifest metrics: the gate's figures, the objective and
+the last step's figures), then promoted when the gate passed or rejected with
+the gate's reason. The trainer keeps its own weights either way: after a
+promotion they are the served ones; after a rejection further training may
+still pass a later gate. No copy is made for the gate: it runs between steps
+in the training thread, so the weights cannot change under it.
+
+State. ``save`` writes the drafter, AdamW, schedule, step, RNG, the buffer
+cursor and the counters to ``state_dir`` (train/state.py: tmp + fsync +
+rename). A new ``OnlineTrainer`` on the same ``state_dir`` resumes from it:
+the weights come from the state, not from the registry, and the pools are
+rebuilt by re-reading the newest segments up to the saved cursor (those
+records count as already trained on; retention may have removed some). Counting goes on
+from the saved counters. ``max_steps`` counts all steps, resumed ones too.
+
+Threads. ``torch.set_num_threads(online.num_threads)`` bounds the process's
+intra-op threads, so on the CPU default the trainer leaves the other cores to
+the serving engine.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import threading
+import time
+from collections import OrderedDict, deque
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from online_opd.buffer import BufferReader, CorruptSegment
+from online_opd.config import OnlineOPDConfig
+from online_opd.drafters.checkpoint import load_drafter
+from online_opd.gate import evaluate_gate, is_held_out
+from online_opd.losses import LOSSES
+from online_opd.records import SequenceRecord, check_fidelity
+from online_opd.registry import DrafterRegistry
+from online_opd.replay import replay_sequence
+from online_opd.target_model import TargetModel
+from online_opd.train.opd import objective_fn
+from online_opd.train.optim import build_optimizer
+from online_opd.train.state import STATE_FILE, load_state, save_state
+
+logger = logging.getLogger(__name__)
+
+_COUNTERS = ("steps", "replayed_tokens", "records_seen", "records_invalid", "records_unusable",
+             "gates", "promotions", "rejections", "errors")
+
+
+def warmup_constant(optimizer: torch.optim.Optimizer, warmup_steps: int) -> torch.optim.lr_scheduler.LambdaLR:
+    """lr(s) = lr * (s+1)/W for s < W, then lr: a schedule without an end (see the module docstring)."""
+
+    def factor(step: int) -> float:
+        return (step + 1) / warmup_steps if step < warmup_steps else 1.0
+
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
+
+
+class OnlineTrainer:
+    """Draft-OPD on live traffic: ``poll`` the buffer, ``step``, ``gate`` and publish, ``save``; or ``run``.
+
+    Not thread-safe except ``stats``, which another thread may call while ``run`` trains.
+    """
+
+    def __init__(self, cfg: OnlineOPDConfig, *, target_path: Path, buffer_dir: Path, registry_dir: Path,
+                 state_dir: Path) -> None:
+        if cfg.trainer.objective not in LOSSES:
+            raise ValueError(f"online training replays recorded blocks: trainer.objective must be one of "
+                             f"{sorted(LOSSES)}, got {cfg.trainer.objective!r} (SFT is the offline "
+                             "bootstrap)")
+        self.cfg = cfg
+        self.state_dir = Path(state_dir)
+        torch.set_num_threads(cfg.online.num_threads)
+        self.device = torch.device(cfg.online.device)
+        self.target = TargetModel.from_pretrained(target_path, dtype=torch.float32)
+        self.target.model.to(self.device)
+        self.registry = DrafterRegistry(registry_dir)
+        current = self.registry.current()
+        if current is None:
+            raise RuntimeError(f"registry {registry_dir} has no current drafter to train: "
+                               "bootstrap one and promote it first")
+        self.drafter = self._load_drafter(current.path)
+        self.block_size = self.drafter.cfg.block_size
+        tcfg = cfg.trainer
+        self.optimizer = build_optimizer(self.drafter, lr=tcfg.lr, weight_decay=tcfg.weight_decay,
+                                         betas=tcfg.betas)
+        warmup = round(tcfg.warmup_ratio * tcfg.num_steps) if tcfg.warmup_ratio > 0 else 0
+        self.scheduler = warmup_constant(self.optimizer, warmup)
+        self.objective = objective_fn(tcfg)
+        self.generator = torch.Generator().manual_seed(tcfg.seed)
+        self.reader = BufferReader(buffer_dir)
+        self.cursor: str | None = None
+        self.step_count = 0
+        self.window: deque[SequenceRecord] = deque(maxlen=cfg.online.window_records)
+        self.fresh: OrderedDict[str, SequenceRecord] = OrderedDict()  # untrained records of the window
+        self.held_out: deque[SequenceRecord] = deque(maxlen=cfg.gate.max_records)
+        self._lock = threading.Lock()
+        self._warned_unusable = False
+        self._saved_step = -1
+        self._stats: dict[str, Any] = {
+            "status": "waiting_for_data", **{k: 0 for k in _COUNTERS}, "loss": None, "loss_accepted": None,
+            "loss_rejected": None, "lr": None, "grad_norm": None, "step_seconds": None, "last_gate": None,
+            "last_published": None, "last_error": None, "trained_from": current.version,
+        }
+        self._resume()
+
+    # ---- data -------------------------------------------------------------------------------------
+
+    def poll(self) -> int:
+        """Read new buffer records into the pools; returns how many were kept (train + held-out)."""
+        if not self.reader.root.is_dir():  # no server has captured anything yet
+            return 0
+        records, self.cursor = self.reader.tail(self.cursor, settle_s=self.cfg.online.settle_s)
+        counts = {"records_seen": len(records), "records_invalid": 0, "records_unusable": 0}
+        kept = 0
+        for record in records:
+            verdict = self._route(record, fresh=True)
+            if verdict == "kept":
+                kept += 1
+            else:
+                counts[verdict] += 1
+        if counts["records_unusable"] and not self.window and not self._warned_unusable:
+            self._warned_unusable = True
+            logger.warning("online trainer: %d records unusable (no blocks, or blocks not K=%d long: is the "
+                           "server drafting with another num_speculative_tokens?)",
+                           counts["records_unusable"], self.block_size)
+        with self._lock:
+            for key, value in counts.items():
+                self._stats[key] += value
+        return kept
+
+    def _route(self, record: SequenceRecord, *, fresh: bool) -> str:
+        """Put one record in its pool: "kept", or the counter it was dropped under."""
+        if not record.blocks:
+            return "records_unusable"
+        errors = check_fidelity(record)
+        if errors:
+            logger.warning("online trainer: dropping record %s: %s", record.record_id, "; ".join(errors[:3]))
+            return "records_invalid"
+        if is_held_out(record.record_id, self.cfg.gate.held_out_fraction):
+            self.held_out.append(record)  # the gate simulates any K: no block-size check
+            return "kept"
+        if any(len(b.draft_tokens) != self.block_size for b in record.blocks):
+            return "records_unusable"
+        if len(self.window) == self.window.maxlen:  # the oldest leaves the window, and with it fresh
+            evicted = self.window[0]
+            if self.fresh.get(evicted.record_id) is evicted:
+                del self.fresh[evicted.record_id]
+        self.window.append(record)
+        if fresh:
+            self.fresh[record.record_id] = record
+        return "kept"
+
+    def sample(self) -> list[SequenceRecord]:
+        """This step's records: the fresh share newest first, the rest uniformly from the window.
+
+        The picked records stop being fresh here, before replay, so a record that makes replay fail
+        is not picked again and again as the newest fresh one.
+        """
+        num = self.cfg.trainer.sequences_per_step
+        num_fresh = min(len(self.fresh), round(num * self.cfg.online.fresh_fraction))
+        picks = list(self.fresh.values())[len(self.fresh) - num_fresh:][::-1]
+        window = list(self.window)
+        picks += [window[i] for i in torch.randint(len(window), (num - num_fresh,), generator=self.generator)]
+        for record in picks:
+            self.fresh.pop(record.record_id, None)
+        return picks
+
+    # ---- training ---------------------------------------------------------------------------------
+
+    def step(self) -> dict[str, Any] | None:
+        """One optimizer step on sampled records; None (nothing done) below ``online.min_records``."""
+        if len(self.window) < self.cfg.online.min_records:
+            return None
+        start = time.perf_counter()
+        tcfg = self.cfg.trainer
+        self.drafter.train()
+        losses, accepted, rejected, num_tokens = [], [], [], 0
+        for record in self.sample():
+            count = min(tcfg.anchors_per_sequence, len(record.blocks))
+            chosen = torch.randperm(len(record.blocks), generator=self.generator)[:count].sort().values
+            blocks = [record.blocks[j] for j in chosen.tolist()]
+            end = max(b.anchor for b in blocks) + 1  # later tokens are never read
+            tokens = torch.tensor(record.tokens[:end], dtype=torch.int64, device=self.device)
+            batch = replay_sequence(self.target, self.drafter, tokens, blocks)
+            out = self.objective(batch.target_logits, batch.draft_logits, batch.num_accepted)
+            losses.append(out.loss)
+            accepted.append(float(out.accepted.detach()))
+            rejected.append(float(out.rejected.detach()))
+            num_tokens += end + len(blocks) * (self.block_size - 1)
+        loss = torch.stack(losses).mean()
+        if not torch.isfinite(loss):  # skip, never step into NaN weights
+            raise FloatingPointError(f"non-finite loss {float(loss)} at step {self.step_count + 1}")
+        self.optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.drafter.parameters(), tcfg.grad_clip or math.inf)
+        self.optimizer.step()
+        self.scheduler.step()
+        self.step_count += 1
+        stats = {"step": self.step_count, "loss": float(loss.detach()),
+                 "loss_accepted": sum(accepted) / len(accepted),
+                 "loss_rejected": sum(rejected) / len(rejected),
+                 "replayed_tokens": num_tokens, "grad_norm": float(grad_norm),
+                 "lr": self.scheduler.get_last_lr()[0], "seconds": time.perf_counter() - start}
+        with self._lock:
+            self._stats.update(status="training", steps=self.step_count, step_seconds=stats["seconds"],
+                               **{k: stats[k] for k in ("loss", "loss_accepted", "loss_rejected", "lr",
+                                                        "grad_norm")})
+            self._stats["replayed_tokens"] += num_tokens
+        if self.step_count % tcfg.log_every == 0:
+            logger.info("online step %d: loss %.4f (accepted %.4f, rejected %.4f), %d tokens, %.2fs",
+                        self.step_count, stats["loss"], stats["loss_accepted"], stats["loss_rejected"],
+                        num_tokens, stats["seconds"])
+        return stats
+
+    # ---- gate and publish -------------------------------------------------------------------------
+
+    def gate(self) -> dict[str, Any]:
+        """Compare with the serving drafter on held-out records, publish, promote or reject.
+
+        Returns the gate's figures plus the published ``version`` and its ``status``.
+        """
+        current = self.registry.current()
+        if current is None:
+            raise RuntimeError(f"registry {self.registry.root} has no current drafter to gate against")
+        serving = self._load_drafter(current.path)
+        self.drafter.eval()
+        try:
+            result = evaluate_gate(self.target, self.drafter, serving, list(self.held_out), self.cfg.gate)
+        finally:
+            self.drafter.train()
+        with self._lock:
+            last_step = {k: self._stats[k] for k in ("loss", "loss_accepted", "loss_rejected", "lr")}
+        metrics = {"gate": result.to_dict(), "objective": self.cfg.trainer.objective, "train": last_step}
+        info = self.registry.publish(self.drafter, parent=current.version, step=self.step_count,
+                                     metrics=metrics)
+        figures = (f"tau {result.tau_candidate:.3f} vs {result.tau_serving:.3f} ({current.version}) "
+                   f"over {result.n_blocks} blocks")
+        if result.passed:
+            self.registry.promote(info.version, reason=f"gate passed at step {self.step_count}: "
+                                                       f"{result.reason}; {figures}")
+            status = "promoted"
+        else:
+            self.registry.reject(info.version, f"{result.reason}; {figures}")
+            status = "rejected"
+        summary = {**result.to_dict(), "version": info.version, "status": status, "step": self.step_count,
+                   "serving": current.version}
+        logger.info("online gate at step %d: %s %s (%s; %s)", self.step_count, info.version, status,
+                    result.reason, figures)
+        with self._lock:
+            self._stats["gates"] += 1
+            self._stats["promotions" if result.passed else "rejections"] += 1
+            self._stats["last_gate"] = summary
+            self._stats["last_published"] = info.version
+        return summary
+
+    # ---- state ------------------------------------------------------------------------------------
+
+    def save(self) -> Path:
+        """Write the resumable state (module docstring) to ``state_dir``."""
+        with self._lock:
+            kept = (*_COUNTERS, "last_gate", "last_published", "trained_from")
+            counters = {k: self._stats[k] for k in kept}
+        extra = {"cursor": self.cursor, "counters": counters, "generator": self.generator.get_state()}
+        path = save_state(self.state_dir, step=self.step_count, drafter=self.drafter,
+                          optimizer=self.optimizer, scheduler=self.scheduler, extra=extra)
+        self._saved_step = self.step_count
+        return path
+
+    def _resume(self) -> None:
+        if not (self.state_dir / STATE_FILE).exists():
+            return
+        try:
+            state = load_state(self.state_dir, drafter=self.drafter, optimizer=self.optimizer,
+                               scheduler=self.scheduler)
+        except Exception as exc:  # torn file, or a drafter of another shape is current now
+            raise RuntimeError(f"{self.state_dir}: cannot resume the online trainer ({exc}); "
+                               "remove the state to start from the registry's current drafter") from exc
+        extra = state.get("extra", {})
+        self.step_count = int(state["step"])
+        if "generator" in extra:
+            self.generator.set_state(extra["generator"])
+        with self._lock:
+            self._stats.update(extra.get("counters", {}), steps=self.step_count)
+            if self.step_count:
+                self._stats["status"] = "training"
+        self.cursor = extra.get("cursor")
+        if self.cursor is not None:
+            self._rebuild_pools(self.cursor)
+        self._saved_step = self.step_count
+        logger.info("online trainer resumed at step %d (%d train, %d held-out records)",
+                    self.step_count, len(self.window), len(self.held_out))
+
+    def _rebuild_pools(self, cursor: str) -> None:
+        """Refill the pools from the segments up to ``cursor``, newest first, reading only as many
+        segments as the pools hold; these records were trained on already, so none is fresh."""
+        if not self.reader.root.is_dir():
+            return
+        chunks: list[list[SequenceRecord]] = []
+        need_train, need_held_out = self.window.maxlen or 0, self.held_out.maxlen or 0
+        for info in reversed([s for s in self.reader.segments() if s.name <= cursor]):
+            try:
+                records = self.reader.read_segment(info)
+            except (CorruptSegment, OSError):  # counted when it was first read; deleted since
+                continue
+            chunks.append(records)
+            held = sum(is_held_out(r.record_id, self.cfg.gate.held_out_fraction) for r in records)
+            need_train, need_held_out = need_train - (len(records) - held), need_held_out - held
+            if need_train <= 0 and need_held_out <= 0:
+                break
+        for records in reversed(chunks):
+            for record in records:
+                self._route(record, fresh=False)
+
+    # ---- loop -------------------------------------------------------------------------------------
+
+    def run(self, stop: threading.Event) -> dict[str, Any]:
+        """Poll, step, gate and checkpoint until ``stop`` is set or ``online.max_steps`` is reached.
+
+        A failing step or gate is logged and counted, and the loop goes on after ``poll_s``; the
+        state is saved on the way out. Returns the final ``stats``.
+        """
+        ocfg = self.cfg.online
+        last_poll = -math.inf
+        try:
+            while not stop.is_set() and (ocfg.max_steps is None or self.step_count < ocfg.max_steps):
+                try:
+                    if time.monotonic() - last_poll >= ocfg.poll_s:
+                        self.poll()
+                        last_poll = time.monotonic()
+                    if self.step() is None:
+                        with self._lock:
+                            if self._stats["status"] != "error":
+                                self._stats["status"] = "waiting_for_data"
+                        stop.wait(ocfg.poll_s)
+                        continue
+                except Exception as exc:
+                    self._error("step", exc)
+                    stop.wait(ocfg.poll_s)
+                    continue
+                if self.step_count % self.cfg.gate.every_steps == 0:
+                    try:
+                        self.gate()
+                        self.save()
+                    except Exception as exc:
+                        self._error("gate", exc)
+                if self.step_count % ocfg.checkpoint_every == 0 and self._saved_step != self.step_count:
+                    self.save()
+        finally:
+            try:
+                self.save()
+            except Exception as exc:
+                self._error("save", exc)
+            with self._lock:
+                self._stats["status"] = "stopped"
+        return self.stats()
+
+    def _error(self, where: str, exc: Exception) -> None:
+        logger.exception("online trainer: %s failed at step %d", where, self.step_count)
+        with self._lock:
+            self._stats["errors"] += 1
+            self._stats["last_error"] = f"{where}: {exc!r}"
+            self._stats["status"] = "error"
+
+    def stats(self) -> dict[str, Any]:
+        """Figures for /metrics and the admin surface (JSON-safe; safe to call from another thread)."""
+        with self._lock:
+            out = dict(self._stats)
+        out.update(train_pool=len(self.window), fresh_records=len(self.fresh),
+                   held_out_pool=len(self.held_out))
+        return out
+
+    def _load_drafter(self, path: Path):
+        """A registry checkpoint with the target's embeddings and LM head attached, on our device."""
+        drafter = load_drafter(path)
+        drafter.attach_target(self.target.embed_weight, self.target.lm_head_weight)
+        return drafter.to(self.device)

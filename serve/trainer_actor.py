@@ -1,0 +1,130 @@
+"""The online trainer as a Ray actor (DESIGN.md: "Ray trainer actor").
+
+``start_trainer`` joins (or starts) Ray and creates one named actor wrapping
+``online_opd.train.online.OnlineTrainer``; the actor trains in a background
+thread, so ``stats`` and ``stop`` are answered while a step runs
+(``max_concurrency=4``: a threaded actor). Resources come from the ``online``
+config section: ``num_cpus``/``num_gpus`` are what the actor reserves, and on
+a local Ray the node is sized to them, so Ray never claims the whole machine
+that the serving engine runs on.
+
+Crashes. Training starts in ``__init__``, not only in ``start``, so when Ray
+restarts a dead actor (``online.max_restarts``) it trains again by itself,
+resuming from its state directory. An exception that escapes the trainer's
+own loop (which already survives failing steps) ends the process, so that
+Ray restarts it rather than leaving an actor that answers but never trains.
+
+The config crosses the process boundary as ``cfg.model_dump(mode="json")``
+and is validated again inside the actor.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import threading
+from pathlib import Path
+from typing import Any
+
+import ray
+
+from online_opd.config import OnlineOPDConfig
+from online_opd.train.online import OnlineTrainer
+
+logger = logging.getLogger(__name__)
+
+ACTOR_NAME = "online-opd-trainer"
+LOCAL_OBJECT_STORE_BYTES = 200 * 1024**2  # the trainer passes no large objects through Ray
+
+
+class TrainerActor:
+    """Ray actor body (decorated at start, so its resources come from the config)."""
+
+    def __init__(self, cfg: dict, target_path: str, buffer_dir: str, registry_dir: str, state_dir: str,
+                 autostart: bool = True) -> None:
+        logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+        self._trainer = OnlineTrainer(OnlineOPDConfig.model_validate(cfg), target_path=Path(target_path),
+                                      buffer_dir=Path(buffer_dir), registry_dir=Path(registry_dir),
+                                      state_dir=Path(state_dir))
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._lock = threading.Lock()
+        if autostart:
+            self.start()
+
+    def start(self) -> bool:
+        """Start training in a background thread; False when it was already started."""
+        with self._lock:
+            if self._thread is not None:
+                return False
+            self._thread = threading.Thread(target=self._run, name="online-opd-trainer", daemon=True)
+            self._thread.start()
+            return True
+
+    def _run(self) -> None:
+        try:
+            self._trainer.run(self._stop)
+        except BaseException:
+            logger.exception("online trainer died; exiting so that Ray restarts the actor")
+            os._exit(1)
+
+    def stats(self) -> dict[str, Any]:
+        """The trainer's figures plus whether its thread is alive and this process's id."""
+        thread = self._thread
+        return {**self._trainer.stats(), "running": thread is not None and thread.is_alive(),
+                "pid": os.getpid()}
+
+    def stop(self, timeout: float = 60.0) -> dict[str, Any]:
+        """Finish the current step (and gate), save the state, and return the final figures."""
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout)
+        return self.stats()
+
+
+def start_trainer(cfg: OnlineOPDConfig, *, target_path: Path, buffer_dir: Path, registry_dir: Path,
+                  state_dir: Path, name: str = ACTOR_NAME):
+    """Create the trainer actor (starting a local Ray, or joining ``online.ray_address``, if needed).
+
+    Returns at once with the actor handle; the actor loads the models and starts training by itself.
+    A failure to start shows up as ``trainer_stats`` returning None.
+    """
+    ocfg = cfg.online
+    if not ray.is_initialized():
+        kwargs: dict[str, Any] = {}
+        if ocfg.ray_address is None:  # a local node sized to the trainer, not to the machine
+            kwargs = {"num_cpus": max(1, math.ceil(ocfg.num_cpus)), "num_gpus": math.ceil(ocfg.num_gpus),
+                      "object_store_memory": LOCAL_OBJECT_STORE_BYTES}
+        ray.init(address=ocfg.ray_address, ignore_reinit_error=True, include_dashboard=False,
+                 logging_level=logging.WARNING, **kwargs)
+    actor_cls = ray.remote(num_cpus=ocfg.num_cpus, num_gpus=ocfg.num_gpus, max_restarts=ocfg.max_restarts,
+                           max_task_retries=ocfg.max_restarts, max_concurrency=4)(TrainerActor)
+    handle = actor_cls.options(name=name).remote(
+        cfg.model_dump(mode="json"), str(target_path), str(buffer_dir), str(registry_dir), str(state_dir))
+    logger.info("started online trainer actor %r (%g CPUs, %g GPUs, state %s)", name, ocfg.num_cpus,
+                ocfg.num_gpus, state_dir)
+    return handle
+
+
+def trainer_stats(handle, timeout: float = 5.0) -> dict[str, Any] | None:
+    """The actor's ``stats()``, or None when it cannot answer in time (starting, restarting, dead)."""
+    try:
+        return ray.get(handle.stats.remote(), timeout=timeout)
+    except Exception as exc:
+        logger.debug("trainer stats unavailable: %r", exc)
+        return None
+
+
+def stop_trainer(handle, timeout: float = 60.0) -> dict[str, Any] | None:
+    """Stop training (the state is saved), then end the actor; returns its last figures, or None."""
+    final = None
+    try:
+        final = ray.get(handle.stop.remote(timeout), timeout=timeout + 10)
+    except Exception as exc:
+        logger.warning("online trainer did not stop cleanly: %r", exc)
+    try:
+        ray.kill(handle, no_restart=True)
+    except Exception as exc:
+        logger.debug("killing the trainer actor: %r", exc)
+    return final

@@ -1,0 +1,235 @@
+"""The online trainer on tiny real models: records served by speculative decoding, a real buffer,
+registry and state folder; one test runs it as a real (local) Ray actor."""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import math
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from online_opd.buffer import SegmentWriter
+from online_opd.config import OnlineOPDConfig, TrainerConfig
+from online_opd.gate import is_held_out, split_held_out
+from online_opd.records import BlockRecord
+from online_opd.registry import DrafterRegistry
+from online_opd.specdec import speculative_generate
+from online_opd.target_model import TargetModel
+from online_opd.train.loop import train
+from online_opd.train.online import OnlineTrainer
+from online_opd.train.sequences import TrainSequence, compute_aux_hidden
+from online_opd.train.sft import sample_anchors, sft_loss
+from tests.tiny import tiny_drafter, tiny_target
+
+K = 4
+HELD_OUT = 0.3
+
+
+@pytest.fixture(scope="module")
+def world(tmp_path_factory):
+    """A saved tiny target, its drafter, and 16 greedy requests served with that drafter."""
+    root = tmp_path_factory.mktemp("online")
+    target = tiny_target(seed=1)
+    target.model.save_pretrained(root / "target")
+    drafter = tiny_drafter(target, block_size=K, seed=2)
+    records = []
+    for i in range(16):
+        prompt = torch.randint(1, 60, (4,), generator=torch.Generator().manual_seed(i)).tolist()
+        result = speculative_generate(target, drafter, prompt, max_new_tokens=24)
+        records.append(result.to_record(record_id=f"req-{i}", model_id="tiny", drafter_version="v0001",
+                                        temperature=0.0))
+    return {"root": root, "drafter": drafter, "records": records}
+
+
+def _config(**online) -> OnlineOPDConfig:
+    return OnlineOPDConfig.model_validate({
+        "trainer": {"lr": 3e-3, "warmup_ratio": 0.0, "sequences_per_step": 2, "anchors_per_sequence": 4},
+        "gate": {"every_steps": 3, "min_records": 2, "max_records": 8, "held_out_fraction": HELD_OUT},
+        "online": {"settle_s": 0.0, "poll_s": 0.05, "min_records": 2, "checkpoint_every": 2, **online},
+    })
+
+
+def _setup(world, tmp_path: Path, records=None) -> dict:
+    """A buffer holding `records` (default: the world's) in two segments and a registry serving v0001."""
+    records = world["records"] if records is None else records
+    writer = SegmentWriter(tmp_path / "buffer", writer_id="test")
+    writer.write(records[: len(records) // 2])
+    writer.write(records[len(records) // 2:])
+    registry = DrafterRegistry(tmp_path / "registry")
+    registry.promote(registry.publish(world["drafter"]).version, reason="bootstrap")
+    return {"target_path": world["root"] / "target", "buffer_dir": tmp_path / "buffer",
+            "registry_dir": tmp_path / "registry", "state_dir": tmp_path / "state"}
+
+
+def _weights(trainer: OnlineTrainer) -> dict[str, torch.Tensor]:
+    return {k: v.detach().clone() for k, v in trainer.drafter.state_dict().items()}
+
+
+def test_poll_routes_records_and_drops_invalid_ones(world, tmp_path):
+    good = world["records"]
+    first = good[0]
+    i = next(i for i, b in enumerate(first.blocks) if b.num_accepted < K)
+    blocks = list(first.blocks)
+    blocks[i] = dataclasses.replace(blocks[i], num_accepted=blocks[i].num_accepted + 1)  # claims a rejected one
+    invalid = dataclasses.replace(first, record_id="bad", blocks=tuple(blocks))
+    empty = dataclasses.replace(first, record_id="empty", blocks=())
+    b = first.blocks[0]  # a valid record served with K=2: the K=4 drafter cannot replay it
+    short_k = dataclasses.replace(first, record_id="short-k",
+                                  blocks=(BlockRecord(b.anchor, b.draft_tokens[:2], min(b.num_accepted, 2)),))
+    short_k = short_k if not is_held_out("short-k", HELD_OUT) else None  # held-out records of any K are kept
+    extra = [r for r in (invalid, empty, short_k) if r is not None]
+    trainer = OnlineTrainer(_config(), **_setup(world, tmp_path, good + extra))
+
+    kept = trainer.poll()
+    train, held_out = split_held_out(good, HELD_OUT)
+    assert 0 < len(held_out) < len(good) and kept == len(good)
+    assert [r.record_id for r in trainer.window] == [r.record_id for r in train]
+    assert [r.record_id for r in trainer.held_out] == [r.record_id for r in held_out]
+    assert list(trainer.fresh) == [r.record_id for r in train]
+    stats = trainer.stats()
+    assert stats["records_seen"] == len(good) + len(extra) and stats["records_invalid"] == 1
+    assert stats["records_unusable"] == len(extra) - 1
+    assert (stats["train_pool"], stats["held_out_pool"]) == (len(train), len(held_out))
+    assert trainer.poll() == 0  # the cursor moved past both segments
+
+    # invalid records are never trained on: every sampled record is one of the good train records
+    picked = {r.record_id for _ in range(5) for r in trainer.sample()}
+    assert picked <= {r.record_id for r in train}
+
+
+def test_step_trains_fresh_records_first(world, tmp_path):
+    trainer = OnlineTrainer(_config(fresh_fraction=1.0), **_setup(world, tmp_path))
+    assert trainer.step() is None  # nothing polled yet
+    trainer.poll()
+    newest = list(trainer.fresh)[-2:]
+    before = _weights(trainer)
+    stats = trainer.step()
+    assert stats["step"] == 1 and stats["replayed_tokens"] > 0
+    assert all(math.isfinite(stats[k]) for k in ("loss", "loss_accepted", "loss_rejected", "grad_norm"))
+    assert not any(r in trainer.fresh for r in newest)  # the newest fresh records were replayed
+    assert len(trainer.fresh) == trainer.stats()["train_pool"] - 2
+    after = _weights(trainer)
+    assert any(not torch.equal(before[k], after[k]) for k in before)
+    assert trainer.stats()["steps"] == 1 and trainer.stats()["status"] == "training"
+
+
+def test_run_gates_publishes_and_resumes(world, tmp_path):
+    paths = _setup(world, tmp_path)
+    trainer = OnlineTrainer(_config(max_steps=3), **paths)
+    final = trainer.run(threading.Event())
+    assert final["steps"] == 3 and final["status"] == "stopped" and final["errors"] == 0
+    assert final["gates"] == 1 and final["promotions"] + final["rejections"] == 1
+
+    registry = DrafterRegistry(paths["registry_dir"])
+    published = registry.get(final["last_published"])
+    assert published.version == "v0002" and published.parent == "v0001" and published.step == 3
+    gate = published.metrics["gate"]
+    assert gate["n_records"] == final["held_out_pool"] and gate["n_blocks"] > 0
+    assert published.metrics["objective"] == "draft_opd" and math.isfinite(published.metrics["train"]["loss"])
+    assert published.status in ("promoted", "rejected") and "tau" in published.status_reason
+    assert (registry.current().version == "v0002") == gate["passed"]
+    assert final["last_gate"]["status"] == published.status
+
+    # a new trainer on the same state resumes: same step, weights, counters; pools rebuilt, none fresh
+    resumed = OnlineTrainer(_config(max_steps=4), **paths)
+    assert resumed.step_count == 3 and resumed.cursor == trainer.cursor
+    assert all(torch.equal(a, b) for a, b in zip(_weights(trainer).values(), _weights(resumed).values()))
+    stats = resumed.stats()
+    assert stats["records_seen"] == final["records_seen"] and stats["gates"] == 1
+    assert (stats["train_pool"], stats["held_out_pool"], stats["fresh_records"]) == \
+        (final["train_pool"], final["held_out_pool"], 0)
+    assert resumed.poll() == 0
+    assert resumed.run(threading.Event())["steps"] == 4
+    # a smaller window is refilled with the newest train records only
+    small = OnlineTrainer(_config(window_records=3), **paths)
+    train, _ = split_held_out(world["records"], HELD_OUT)
+    assert small.step_count == 4 and [r.record_id for r in small.window] == [r.record_id for r in train[-3:]]
+
+
+@pytest.fixture(scope="module")
+def memorised(world, tmp_path_factory):
+    """The world's drafter after SFT on the records' sequences: far better than it on them."""
+    drafter = copy.deepcopy(world["drafter"])
+    target = TargetModel.from_pretrained(world["root"] / "target")
+    seqs = [TrainSequence(torch.tensor(r.tokens), r.prompt_len) for r in world["records"]]
+    compute_aux_hidden(target, seqs, drafter.target_layer_ids, progress=False)
+    gen = torch.Generator().manual_seed(0)
+    anchors = [sample_anchors(s.prompt_len, s.num_tokens, 32, gen) for s in seqs]
+    cfg = TrainerConfig(objective="sft", lr=1e-2, num_steps=64, warmup_ratio=0.0, checkpoint_every=1000)
+    train(lambda step: sft_loss(drafter, seqs[step % 16], anchors[step % 16], decay=7.0), drafter, cfg,
+          tmp_path_factory.mktemp("sft"), progress=False)
+    return drafter.eval()
+
+
+def test_gate_promotes_a_better_candidate_and_training_goes_on(world, memorised, tmp_path):
+    """The trainer starts from the memorised drafter; then a worse one is made current (as a manual
+    rollback would): the gate compares with whatever serves now, and promotes."""
+    paths = _setup({**world, "drafter": memorised}, tmp_path)
+    cfg = _config()
+    cfg.trainer.lr = 1e-5
+    trainer = OnlineTrainer(cfg, **paths)
+    registry = DrafterRegistry(paths["registry_dir"])
+    registry.promote(registry.publish(world["drafter"]).version, reason="manual")  # v0002, worse
+    trainer.poll()
+    for _ in range(3):
+        trainer.step()
+    before = _weights(trainer)
+    summary = trainer.gate()
+    assert summary["passed"] and summary["status"] == "promoted", summary["reason"]
+    assert summary["serving"] == "v0002" and summary["tau_candidate"] > summary["tau_serving"] + 0.3
+    current = registry.current()
+    assert current.version == summary["version"] == "v0003" and current.parent == "v0002"
+    assert current.metrics["gate"]["passed"] and "gate passed at step 3" in current.status_reason
+    assert all(torch.equal(before[k], v) for k, v in _weights(trainer).items())  # no reset
+    assert trainer.step()["step"] == 4
+    assert trainer.stats()["promotions"] == 1
+
+
+def test_sft_objective_is_refused(world, tmp_path):
+    cfg = _config()
+    cfg.trainer.objective = "sft"
+    with pytest.raises(ValueError, match="SFT is the offline"):
+        OnlineTrainer(cfg, **_setup(world, tmp_path))
+
+
+def _wait_for(handle, condition, timeout: float = 120.0) -> dict:
+    from serve.trainer_actor import trainer_stats
+
+    deadline, stats = time.monotonic() + timeout, None
+    while time.monotonic() < deadline:
+        stats = trainer_stats(handle, timeout=5)
+        if stats is not None and condition(stats):
+            return stats
+        time.sleep(0.3)
+    raise AssertionError(f"trainer actor did not get there in {timeout}s; last stats: {stats}")
+
+
+@pytest.mark.slow
+def test_ray_actor_trains_publishes_resumes_after_a_crash_and_stops(world, tmp_path):
+    ray = pytest.importorskip("ray")
+    from serve.trainer_actor import start_trainer, stop_trainer, trainer_stats
+
+    paths = _setup(world, tmp_path)
+    registry = DrafterRegistry(paths["registry_dir"])
+    handle = start_trainer(_config(max_steps=6), **paths)
+    try:
+        done = _wait_for(handle, lambda s: s["status"] == "stopped")
+        assert done["steps"] == 6 and done["gates"] == 2 and done["errors"] == 0 and not done["running"]
+        assert done["last_published"] == "v0003" and len(registry.list()) == 3
+
+        ray.kill(handle, no_restart=False)  # a crash: Ray restarts the actor, which resumes from its state
+        again = _wait_for(handle, lambda s: s["pid"] != done["pid"] and s["status"] == "stopped")
+        assert again["steps"] == 6 and again["gates"] == 2  # counters restored ...
+        assert len(registry.list()) == 3  # ... and nothing retrained or published again
+
+        final = stop_trainer(handle)
+        assert final is not None and final["status"] == "stopped"
+        assert (paths["state_dir"] / "trainer_state.pt").exists()
+        assert trainer_stats(handle, timeout=5) is None  # the actor is gone
+    finally:
+        ray.shutdown()
