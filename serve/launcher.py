@@ -1,0 +1,100 @@
+"""Run `online-opd serve` as a child process: for benchmarks, tests and scripts.
+
+`ServerProcess` starts the server in its own process group, waits for
+/health, scrapes /metrics into a flat dict, calls the admin routes, and stops
+it with SIGTERM (vLLM's graceful shutdown), SIGKILL only after a timeout.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+from prometheus_client.parser import text_string_to_metric_families
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class ServerProcess:
+    """`online-opd serve` in its own process group; stopped with SIGTERM (graceful)."""
+
+    def __init__(self, run_dir: Path, config: Path, *args: str, token: str | None = None,
+                 env: dict | None = None):
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.run_dir = run_dir
+        self.buffer = run_dir / "buffer"
+        run_dir.mkdir(parents=True, exist_ok=True)
+        self.log = open(run_dir / "server.log", "w")
+        self.token = token
+        cmd = [sys.executable, "-m", "serve.cli", "--no-progress", "serve", "-c", str(config),
+               "-o", f"serve.port={self.port}", "-o", f"serve.run_dir={run_dir}",
+               "-o", f"capture.buffer_dir={self.buffer}", *args]
+        self.proc = subprocess.Popen(cmd, cwd=ROOT, stdout=self.log, stderr=subprocess.STDOUT,
+                                     env={**os.environ, **({"ONLINE_OPD_ADMIN_TOKEN": token} if token else {}),
+                                          **(env or {})},
+                                     start_new_session=True)
+
+    def wait_ready(self, timeout: float = 600) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"server exited with {self.proc.returncode}:\n{self.tail()}")
+            try:
+                if httpx.get(f"{self.url}/health", timeout=2).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(2)
+        raise TimeoutError(f"server not ready after {timeout}s:\n{self.tail()}")
+
+    def tail(self, n: int = 8000) -> str:
+        self.log.flush()
+        return (self.run_dir / "server.log").read_text()[-n:]
+
+    def stop(self) -> int | None:
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGTERM)
+            try:
+                self.proc.wait(60)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait(30)
+        self.log.close()
+        return self.proc.returncode
+
+    def metrics(self) -> dict[str, float]:
+        """Samples of /metrics as {name{labels}: value} (labels sorted, engine/model_name dropped)."""
+        text = httpx.get(f"{self.url}/metrics", timeout=10).text
+        out: dict[str, float] = {}
+        for family in text_string_to_metric_families(text):
+            for s in family.samples:
+                labels = {k: v for k, v in s.labels.items() if k not in ("engine", "model_name")}
+                key = s.name + ("{" + ",".join(f"{k}={v}" for k, v in sorted(labels.items())) + "}"
+                                if labels else "")
+                out[key] = out.get(key, 0.0) + s.value
+        return out
+
+    def admin(self, method: str, path: str, **kwargs) -> httpx.Response:
+        return httpx.request(method, f"{self.url}/online-opd/v1{path}", timeout=120,
+                             headers={"Authorization": f"Bearer {self.token}"}, **kwargs)
+
+
+def tau(before: dict[str, float], after: dict[str, float]) -> tuple[float, int]:
+    """Served acceptance length between two scrapes, from vLLM's own counters."""
+    drafts = after["vllm:spec_decode_num_drafts_total"] - before["vllm:spec_decode_num_drafts_total"]
+    accepted = (after["vllm:spec_decode_num_accepted_tokens_total"]
+                - before["vllm:spec_decode_num_accepted_tokens_total"])
+    return 1.0 + accepted / max(drafts, 1), int(drafts)

@@ -1,0 +1,265 @@
+"""`online-opd serve` end to end on the real vLLM CPU engine, over real HTTP with
+the real `openai` client: capture fidelity and parity, opt-out, hot reload under
+load, refused checkpoints, and the /metrics series.
+
+One server (module scope) serves the drafter from `trained_run` (conftest.py),
+which memorised six target rollouts; the tests replay those prompts, so blocks
+are accepted fully and partially. Tests run in file order and share the server.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+import torch
+from openai import OpenAI
+from safetensors.torch import load_file, save_file
+
+from online_opd.buffer import BufferReader
+from online_opd.drafters.checkpoint import load_drafter, save_drafter
+from online_opd.records import check_fidelity
+from online_opd.rollout import propose_all
+from online_opd.target_model import TargetModel
+from online_opd.train.sequences import TrainSequence, load_sequences
+from tests.serving import Server, tau
+
+pytestmark = pytest.mark.slow
+MAX_TOKENS = 48
+
+
+@pytest.fixture(scope="module")
+def rollouts(trained_run):
+    """(prompt ids, non-speculative greedy output ids) of the memorised prompts."""
+    seqs = load_sequences(trained_run / "rollouts.safetensors")
+    return [(s.tokens[: s.prompt_len].tolist(), s.tokens[s.prompt_len:].tolist()) for s in seqs]
+
+
+@pytest.fixture(scope="module")
+def server(trained_run, tmp_path_factory):
+    srv = Server(tmp_path_factory.mktemp("serve"), "--drafter", str(trained_run / "drafter"))
+    try:
+        srv.wait_ready()
+        yield srv
+    finally:
+        code = srv.stop()
+        assert code == 0 or code == -15, srv.tail()
+
+
+def client(server: Server) -> OpenAI:
+    return OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=300)
+
+
+def complete(c: OpenAI, prompt: list[int], *, temperature: float, stream: bool,
+             opt_out: bool = False) -> list[int]:
+    """One completion on token-id input; returns the generated token ids."""
+    extra = {"return_token_ids": True}
+    if opt_out:
+        extra["vllm_xargs"] = {"online_opd_capture": False}
+    model = c.models.list().data[0].id
+    kwargs = dict(model=model, prompt=prompt, max_tokens=MAX_TOKENS, temperature=temperature,
+                  stream=stream, extra_body=extra)
+    if not stream:
+        return list(c.completions.create(**kwargs).choices[0].model_extra["token_ids"])
+    ids: list[int] = []
+    for chunk in c.completions.create(**kwargs):
+        if chunk.choices:
+            ids += chunk.choices[0].model_extra.get("token_ids") or []
+    return ids
+
+
+def wait_records(buffer: Path, count: int, timeout: float = 60) -> list:
+    deadline = time.monotonic() + timeout
+    while True:
+        reader = BufferReader(buffer)
+        records = list(reader.iter_records()) if buffer.exists() else []
+        if len(records) >= count or time.monotonic() > deadline:
+            return records
+        time.sleep(0.5)
+
+
+def test_capture_fidelity_parity_and_lossless_output(server, rollouts, trained_run):
+    c = client(server)
+    # Greedy and sampled requests go in separate phases: vLLM 0.32's CPU rejection sampler does not
+    # keep greedy requests greedy when they share a speculative batch with sampled ones (the
+    # non-speculative engine does); see the README's "Known issues".
+    jobs = [(i % len(rollouts), temperature, i % 4 < 2) for temperature in (0.0, 0.8) for i in range(28)]
+    outputs = []
+    for temperature in (0.0, 0.8):
+        phase = [job for job in jobs if job[1] == temperature]
+        with ThreadPoolExecutor(6) as pool:
+            outputs += list(pool.map(
+                lambda job: complete(c, rollouts[job[0]][0], temperature=job[1], stream=job[2]), phase))
+    # lossless: greedy outputs equal the target's own (non-speculative vLLM rollouts, float32)
+    for (k, temperature, _), out in zip(jobs, outputs):
+        if temperature == 0.0:
+            assert out == rollouts[k][1], f"prompt {k}: speculative output differs from the target's"
+
+    records = wait_records(server.buffer, len(jobs))
+    assert len(records) == len(jobs)
+    assert sorted({round(r.temperature, 3) for r in records}) == [0.0, 0.8]
+    for rec in records:
+        assert check_fidelity(rec) == [], rec.record_id
+    blocks = [b for r in records for b in r.blocks]
+    K = len(blocks[0].draft_tokens)
+    accepted = [b.num_accepted for b in blocks]
+    assert any(0 < r < K for r in accepted), "no partially accepted block"
+    assert K in accepted and 0 in accepted
+
+    # parity: the torch drafter proposes exactly vLLM's drafted block at every captured anchor
+    drafter = load_drafter(trained_run / "drafter")
+    target = TargetModel.from_pretrained(_target_path(), dtype=torch.float32)
+    drafter.attach_target(target.embed_weight, target.lm_head_weight)
+    mismatched, total = 0, 0
+    for rec in records:
+        tokens = torch.tensor(rec.tokens)
+        feats = target.forward(tokens, layer_ids=drafter.target_layer_ids, logits_at=tokens[:0]).aux_hidden
+        seq = TrainSequence(tokens, rec.prompt_len, feats)
+        anchors = torch.tensor([b.anchor for b in rec.blocks])
+        proposed = propose_all(drafter, seq, anchors).tolist()
+        for block, mine in zip(rec.blocks, proposed):
+            total += 1
+            mismatched += list(block.draft_tokens) != mine
+    assert total > 500
+    assert mismatched == 0, f"{mismatched}/{total} blocks differ between vLLM and the torch drafter"
+
+
+def _target_path():
+    from online_opd.target import ensure_embedded_target
+
+    return ensure_embedded_target(progress=False)
+
+
+def test_opt_out_produces_no_record(server, rollouts):
+    c = client(server)
+    before = server.metrics()
+    n_before = len(wait_records(server.buffer, 0, timeout=0))
+    for k in range(3):
+        complete(c, rollouts[k][0], temperature=0.0, stream=False, opt_out=True)
+    time.sleep(2)  # > flush interval and status poll
+    after = server.metrics()
+    assert after["online_opd_records_opted_out_total"] - before["online_opd_records_opted_out_total"] == 3
+    assert after["online_opd_records_captured_total"] == before["online_opd_records_captured_total"]
+    assert len(wait_records(server.buffer, 0, timeout=0)) == n_before
+
+
+def _corrupt_copies(src: Path, root: Path) -> dict[str, Path]:
+    """Checkpoints the worker must refuse: each with a valid manifest except `hash`."""
+    drafter = load_drafter(src)
+    out = {}
+    bad_hash = root / "bad-hash"
+    shutil.copytree(src, bad_hash)
+    data = bytearray((bad_hash / "model.safetensors").read_bytes())
+    data[-8] ^= 0xFF
+    (bad_hash / "model.safetensors").write_bytes(bytes(data))
+    out["hash"] = bad_hash
+    for kind in ("missing", "shape"):
+        folder = save_drafter(drafter, root / f"bad-{kind}", version=f"bad-{kind}")
+        tensors = load_file(folder / "model.safetensors")
+        name = sorted(tensors)[0]
+        if kind == "missing":
+            del tensors[name]
+        else:
+            tensors[name] = torch.zeros(*[d + 1 for d in tensors[name].shape])
+        save_file(tensors, folder / "model.safetensors")
+        manifest = json.loads((folder / "manifest.json").read_text())
+        from online_opd.drafters.checkpoint import sha256_file
+
+        manifest["files"]["model.safetensors"] = sha256_file(folder / "model.safetensors")
+        (folder / "manifest.json").write_text(json.dumps(manifest))
+        out[kind] = folder
+    return out
+
+
+def test_bad_checkpoints_are_refused_and_serving_continues(server, rollouts, trained_run, tmp_path):
+    serving = server.admin("GET", "/status").json()["version"]
+    bad = _corrupt_copies(trained_run / "drafter", tmp_path)
+    expect = {"hash": "sha256", "missing": "missing tensor", "shape": "has shape"}
+    for kind, folder in bad.items():
+        reply = server.admin("POST", "/reload", json={"path": str(folder)})
+        assert reply.status_code == 422, reply.text
+        body = reply.json()
+        assert body["result"] == "refused" and expect[kind] in body["error"], body
+        assert body["version"] == serving
+    reply = server.admin("POST", "/reload", json={"path": str(trained_run / "drafter"), "sha256": "0" * 64})
+    assert reply.status_code == 422 and "the caller says" in reply.json()["error"]
+    assert httpx_status(server) == serving
+    out = complete(client(server), rollouts[0][0], temperature=0.0, stream=False)
+    assert out == rollouts[0][1]
+    assert server.metrics()["online_opd_reloads_total{result=refused}"] >= 4
+
+
+def httpx_status(server: Server) -> str:
+    return server.admin("GET", "/status").json()["version"]
+
+
+def test_hot_reload_under_load(server, rollouts, trained_run, tmp_path):
+    """Reload a random drafter, then the trained one, while 4 clients keep sending requests."""
+    random_drafter = load_drafter(trained_run / "drafter")
+    torch.manual_seed(0)
+    with torch.no_grad():
+        for p in random_drafter.parameters():
+            if p.dim() == 2:
+                p.normal_(0.0, 0.02)
+    random_path = save_drafter(random_drafter, tmp_path / "random", version="random")
+    trained_path = trained_run / "drafter"
+
+    c = client(server)
+    stop = threading.Event()
+    failures: list[str] = []
+    mismatches: list[int] = []
+    done = [0]
+
+    def worker(i: int) -> None:
+        k = i
+        while not stop.is_set():
+            prompt, expected = rollouts[k % len(rollouts)]
+            try:
+                out = complete(c, prompt, temperature=0.0, stream=k % 2 == 0)
+                if out != expected:
+                    mismatches.append(k % len(rollouts))
+                done[0] += 1
+            except Exception as exc:  # any failed request fails the test
+                failures.append(f"{type(exc).__name__}: {exc}")
+            k += 1
+
+    def window(seconds: float = 12.0) -> float:
+        before = server.metrics()
+        time.sleep(seconds)
+        value, drafts = tau(before, server.metrics())
+        assert drafts > 20
+        return value
+
+    threads = [threading.Thread(target=worker, args=(i,)) for i in range(4)]
+    for t in threads:
+        t.start()
+    try:
+        time.sleep(4)
+        tau_trained = window()
+        reply = server.admin("POST", "/reload", json={"path": str(random_path)})
+        assert reply.status_code == 200 and reply.json()["version"] == "random", reply.text
+        time.sleep(2)
+        assert server.metrics()['online_opd_drafter_info{version=random}'] == 1.0
+        tau_random = window()
+        reply = server.admin("POST", "/reload", json={"path": str(trained_path)})
+        assert reply.status_code == 200, reply.text
+        tau_restored = window()
+    finally:
+        stop.set()
+        for t in threads:
+            t.join(300)
+    assert failures == []
+    assert mismatches == [], "greedy output changed across a reload"
+    assert done[0] >= 12
+    # acceptance moves as the weights do: the random drafter drops it, the trained one restores it
+    assert tau_random < 1.1 < tau_trained - 0.3, (tau_trained, tau_random)
+    # prompts differ in acceptance and the windows hold different mixes of them
+    assert tau_restored > max(0.8 * tau_trained, tau_random + 1.0), (tau_trained, tau_restored)
+    metrics = server.metrics()
+    assert metrics["online_opd_reloads_total{result=ok}"] >= 2
+    assert metrics["online_opd_reload_duration_seconds_count"] >= 2
