@@ -189,6 +189,15 @@ class ServeConfig(_Strict):
     stats_poll_s: float = Field(
         5.0, gt=0, description="Seconds between polls of the engine's capture/reload figures for /metrics.")
     reload_poll_s: float = Field(5.0, gt=0, description="Seconds between checks of the registry's current.")
+    auto_reload: bool = Field(
+        True, description="Hot-load the registry's current version when it changes (the reloader).")
+    live_check_drafts: int = Field(
+        200, ge=1, description="Drafts served by a new version (and by the old one before it) that the "
+                               "live acceptance check compares.")
+    live_check_timeout_s: float = Field(
+        600.0, gt=0, description="Give up the live check (keep the version) if traffic is too thin.")
+    rollback_tolerance: float = Field(
+        0.05, ge=0, description="Roll back when live tau falls below (1 - tolerance) x the old version's.")
 
     @property
     def registry(self) -> Path:

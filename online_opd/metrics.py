@@ -68,6 +68,122 @@ class PolledCollector(Collector):
         yield info
 
 
+class TrainerCollector(Collector):
+    """Exposes the online trainer's latest stats (serve/trainer_actor.trainer_stats)."""
+
+    def __init__(self, latest: Callable[[], dict | None]):
+        self._latest = latest
+
+    def collect(self):
+        stats = self._latest()
+        up = GaugeMetricFamily(f"{PREFIX}_trainer_up", "1 while the online trainer answers, else 0.")
+        up.add_metric([], 1.0 if stats else 0.0)
+        yield up
+        if not stats:
+            return
+        for key, name, doc in [
+            ("steps", "trainer_steps", "Online trainer optimizer steps."),
+            ("replayed_tokens", "trainer_replayed_tokens", "Tokens replayed (sequence + drafted blocks)."),
+            ("records_seen", "trainer_records_seen", "Buffer records read by the trainer."),
+            ("records_invalid", "trainer_records_invalid", "Records failing capture fidelity (skipped)."),
+            ("errors", "trainer_errors", "Failed trainer steps or gates (logged, training continues)."),
+            ("gates", "gate_runs", "Gate evaluations of a candidate drafter."),
+            ("promotions", "gate_promotions", "Candidates promoted by the gate."),
+            ("rejections", "gate_rejections", "Candidates rejected by the gate."),
+        ]:
+            family = CounterMetricFamily(f"{PREFIX}_{name}", doc)
+            family.add_metric([], float(stats.get(key) or 0))
+            yield family
+        loss = GaugeMetricFamily(f"{PREFIX}_trainer_loss", "Last step's loss (total, accepted, rejected).",
+                                 labels=["part"])
+        for part, key in [("total", "loss"), ("accepted", "loss_accepted"), ("rejected", "loss_rejected")]:
+            if stats.get(key) is not None:
+                loss.add_metric([part], float(stats[key]))
+        yield loss
+        for key, name, doc in [("train_pool", "trainer_train_records", "Records in the training window."),
+                               ("held_out_pool", "trainer_held_out_records", "Held-out records for the gate.")]:
+            family = GaugeMetricFamily(f"{PREFIX}_{name}", doc)
+            family.add_metric([], float(stats.get(key) or 0))
+            yield family
+        gate = stats.get("last_gate") or {}
+        if gate:
+            tau = GaugeMetricFamily(f"{PREFIX}_gate_tau", "Last gate's simulated tau on held-out records.",
+                                    labels=["drafter"])
+            for who in ("candidate", "serving"):
+                if gate.get(f"tau_{who}") is not None:
+                    tau.add_metric([who], float(gate[f"tau_{who}"]))
+            yield tau
+            if gate.get("record_diff_lower") is not None:
+                lower = GaugeMetricFamily(f"{PREFIX}_gate_lower_bound",
+                                          "Last gate's lower confidence bound of the tau gain.")
+                lower.add_metric([], float(gate["record_diff_lower"]))
+                yield lower
+
+
+class ServedAcceptance:
+    """Live acceptance per drafter version, from vLLM's own spec-decode counters.
+
+    ``update`` attributes counter increments to the version serving at the time;
+    ``recent_tau`` is the tau of a version's last ``n`` drafts (the live check's
+    baseline), ``since_tau`` the tau since a version started serving.
+    """
+
+    def __init__(self) -> None:
+        self._last: tuple[float, float] | None = None
+        self.windows: dict[str, list[tuple[float, float]]] = {}
+
+    def update(self, version: str | None, drafts_total: float, accepted_total: float) -> None:
+        last, self._last = self._last, (drafts_total, accepted_total)
+        if last is None or version is None:
+            return
+        d, a = drafts_total - last[0], accepted_total - last[1]
+        if d > 0:
+            self.windows.setdefault(version, []).append((d, a))
+
+    def totals(self, version: str) -> tuple[float, float]:
+        pairs = self.windows.get(version, [])
+        return sum(d for d, _ in pairs), sum(a for _, a in pairs)
+
+    def recent_tau(self, version: str, n: int) -> tuple[float | None, float]:
+        drafts = accepted = 0.0
+        for d, a in reversed(self.windows.get(version, [])):
+            drafts, accepted = drafts + d, accepted + a
+            if drafts >= n:
+                break
+        return (1.0 + accepted / drafts if drafts else None), drafts
+
+    def mark(self, version: str) -> int:
+        """Position in a version's window list (to measure "since" a reload)."""
+        return len(self.windows.get(version, []))
+
+    def since_tau(self, version: str, start: int) -> tuple[float | None, float]:
+        pairs = self.windows.get(version, [])[start:]
+        drafts, accepted = sum(d for d, _ in pairs), sum(a for _, a in pairs)
+        return (1.0 + accepted / drafts if drafts else None), drafts
+
+    def collect_family(self) -> GaugeMetricFamily:
+        family = GaugeMetricFamily(f"{PREFIX}_served_acceptance_length",
+                                   "Live tau (1 + accepted/drafts) while each drafter version served.",
+                                   labels=["version"])
+        for version in self.windows:
+            drafts, accepted = self.totals(version)
+            if drafts:
+                family.add_metric([version], 1.0 + accepted / drafts)
+        return family
+
+
+def spec_totals(registry: CollectorRegistry) -> tuple[float, float]:
+    """vLLM's cumulative (drafts, accepted tokens) from a registry in this process."""
+    drafts = accepted = 0.0
+    for family in registry.collect():
+        for sample in family.samples:
+            if sample.name == "vllm:spec_decode_num_drafts_total":
+                drafts += sample.value
+            elif sample.name == "vllm:spec_decode_num_accepted_tokens_total":
+                accepted += sample.value
+    return drafts, accepted
+
+
 def server_metrics(registry: CollectorRegistry) -> dict[str, Any]:
     """Metrics owned by the server process (reloads, rollbacks, gate, trainer)."""
     return {

@@ -17,6 +17,7 @@ from pathlib import Path
 from online_opd.config import ConfigError, dump_config, load_config
 
 logger = logging.getLogger("online_opd")
+LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 
 
 def _add_config_args(p: argparse.ArgumentParser) -> None:
@@ -74,6 +75,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--drafter", type=Path, default=None,
                    help="checkpoint to serve first (default: the registry's current version)")
     p.add_argument("--no-capture", action="store_true", help="serve without recording traffic")
+    p.add_argument("--no-train", action="store_true", help="capture, but run no online trainer")
     p.add_argument("--dry-run", action="store_true", help="print the vLLM command and environment, exit")
 
     p = sub.add_parser("reload", help="hot-load a drafter into a running server (admin token required)")
@@ -135,7 +137,8 @@ def _run(args: argparse.Namespace, extra: list[str]) -> int:
         from serve.server import serve
 
         cfg = load_config(args.config, args.override)
-        return serve(cfg, drafter=args.drafter, capture=not args.no_capture, passthrough=extra,
+        return serve(cfg, drafter=args.drafter, capture=not args.no_capture, train=not args.no_train,
+                     passthrough=extra,
                      progress=progress, dry_run=args.dry_run)
     if args.command == "setup":
         from online_opd.target import ensure_embedded_target
@@ -172,8 +175,8 @@ def main(argv: list[str] | None = None) -> int:
     # stdout carries the JSON result; vLLM logs to stdout unless told otherwise
     os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")
     args, extra = build_parser().parse_known_args(argv)
-    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
+    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO, format=LOG_FORMAT,
+                        stream=sys.stderr)
     try:
         return _run(args, extra)
     except (ConfigError, FileNotFoundError, ValueError, RuntimeError) as exc:

@@ -61,14 +61,15 @@ class ServerProcess:
         raise TimeoutError(f"server not ready after {timeout}s:\n{self.tail()}")
 
     def tail(self, n: int = 8000) -> str:
-        self.log.flush()
+        if not self.log.closed:
+            self.log.flush()
         return (self.run_dir / "server.log").read_text()[-n:]
 
-    def stop(self) -> int | None:
+    def stop(self, stop_timeout: float = 150.0) -> int | None:
         if self.proc.poll() is None:
             os.killpg(self.proc.pid, signal.SIGTERM)
             try:
-                self.proc.wait(60)
+                self.proc.wait(stop_timeout)
             except subprocess.TimeoutExpired:
                 os.killpg(self.proc.pid, signal.SIGKILL)
                 self.proc.wait(30)

@@ -102,7 +102,8 @@ def _model_name(cfg: OnlineOPDConfig, target: Path) -> str:
     return cfg.model.target if cfg.model.target and not Path(cfg.model.target).exists() else target.name
 
 
-def serve_env(cfg: OnlineOPDConfig, target: Path, drafter: Path, *, capture: bool) -> dict[str, str]:
+def serve_env(cfg: OnlineOPDConfig, target: Path, drafter: Path, *, capture: bool,
+              follow_registry: bool = True) -> dict[str, str]:
     """Environment for vLLM's processes: plugin allowlist and online-opd settings."""
     from online_opd.drafters.checkpoint import read_manifest
     from vllm_patches import CAPTURE_ENV
@@ -113,9 +114,13 @@ def serve_env(cfg: OnlineOPDConfig, target: Path, drafter: Path, *, capture: boo
     existing = [p for p in os.environ.get("VLLM_PLUGINS", "").split(",") if p]
     env["VLLM_PLUGINS"] = ",".join(dict.fromkeys(existing + list(PLUGIN_NAMES)))
     env["VLLM_CPU_KVCACHE_SPACE"] = os.environ.get("VLLM_CPU_KVCACHE_SPACE", "2")
+    sc = cfg.serve
     env[SERVE_ENV] = EndpointSettings(
-        admin_token_env=cfg.serve.admin_token_env, stats_poll_s=cfg.serve.stats_poll_s,
-        registry_dir=str(cfg.serve.registry.resolve())).model_dump_json()
+        admin_token_env=sc.admin_token_env, stats_poll_s=sc.stats_poll_s,
+        registry_dir=str(sc.registry.resolve()), auto_reload=sc.auto_reload and follow_registry,
+        reload_poll_s=sc.reload_poll_s,
+        live_check_drafts=sc.live_check_drafts, live_check_timeout_s=sc.live_check_timeout_s,
+        rollback_tolerance=sc.rollback_tolerance).model_dump_json()
     c = cfg.capture
     if capture and c.enabled:
         env[CAPTURE_ENV] = CaptureSettings(
@@ -126,7 +131,38 @@ def serve_env(cfg: OnlineOPDConfig, target: Path, drafter: Path, *, capture: boo
     return env
 
 
-def serve(cfg: OnlineOPDConfig, *, drafter: Path | None = None, capture: bool = True,
+def start_online_trainer(cfg: OnlineOPDConfig, target: Path):
+    """Start the Ray trainer actor beside the server; returns the function that stops it (state saved),
+    also registered to run at exit."""
+    import atexit
+
+    from serve.trainer_actor import start_trainer, stop_trainer
+    from vllm_patches.endpoint import set_trainer
+
+    handle = start_trainer(cfg, target_path=target, buffer_dir=cfg.capture.buffer_dir.resolve(),
+                           registry_dir=cfg.serve.registry.resolve(),
+                           state_dir=cfg.online.resolved_state_dir(cfg.serve.run_dir).resolve())
+    set_trainer(handle)
+
+    stopped = []
+
+    def _stop() -> None:
+        if stopped:
+            return
+        stopped.append(True)
+        logger.info("stopping the online trainer (saving its state)")
+        stats = stop_trainer(handle)
+        if stats:
+            logger.info("online trainer stopped after %s steps", stats.get("steps"))
+        import ray
+
+        ray.shutdown()
+
+    atexit.register(_stop)
+    return _stop
+
+
+def serve(cfg: OnlineOPDConfig, *, drafter: Path | None = None, capture: bool = True, train: bool = True,
           passthrough: list[str] | None = None, progress: bool = True, dry_run: bool = False) -> int:
     """Run the server in this process until it is stopped (SIGINT/SIGTERM: vLLM shuts down)."""
     from serve.pipeline import resolve_target
@@ -136,7 +172,7 @@ def serve(cfg: OnlineOPDConfig, *, drafter: Path | None = None, capture: bool = 
     target = resolve_target(cfg, progress=progress)
     drafter_path = resolve_drafter(cfg, target, drafter, progress=progress)
     argv = vllm_argv(cfg, target, drafter_path, passthrough or [])
-    env = serve_env(cfg, target, drafter_path, capture=capture)
+    env = serve_env(cfg, target, drafter_path, capture=capture, follow_registry=drafter is None)
     token_set = bool(os.environ.get(cfg.serve.admin_token_env))
     logger.info("vLLM %s: vllm %s", version, shlex.join(argv))
     logger.info("capture: %s; admin routes: %s", "on -> " + str(cfg.capture.buffer_dir)
@@ -146,8 +182,36 @@ def serve(cfg: OnlineOPDConfig, *, drafter: Path | None = None, capture: bool = 
         print(json.dumps({"argv": ["vllm", *argv], "env": env}, indent=2))
         return 0
     os.environ.update(env)
-    run_vllm_serve(argv)
+    _own_log_handler()
+    import faulthandler
+    import signal
+
+    faulthandler.register(signal.SIGUSR1, all_threads=True)  # `kill -USR1 PID` dumps every thread's stack
+    training = train and capture and cfg.capture.enabled and cfg.online.enabled
+    if training and drafter is not None:
+        logger.warning("--drafter bypasses the registry: the online trainer and reloader are off")
+        training = False
+    stop_trainer = start_online_trainer(cfg, target) if training else None
+    if stop_trainer is None:
+        logger.info("online training off")
+    try:
+        run_vllm_serve(argv)
+    finally:
+        if stop_trainer is not None:
+            stop_trainer()
     return 0
+
+
+def _own_log_handler() -> None:
+    """vLLM and uvicorn configure logging in this process; give online-opd's loggers their own handler."""
+    ours = logging.getLogger("online_opd")
+    if ours.handlers:
+        return
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    ours.addHandler(handler)
+    ours.setLevel(logging.getLogger().getEffectiveLevel())
+    ours.propagate = False
 
 
 def run_vllm_serve(argv: list[str]) -> None:

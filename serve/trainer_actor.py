@@ -32,7 +32,7 @@ import ray
 from online_opd.config import OnlineOPDConfig
 from online_opd.train.online import OnlineTrainer
 
-logger = logging.getLogger(__name__)
+logger = logging.getLogger("online_opd.trainer_actor")
 
 ACTOR_NAME = "online-opd-trainer"
 LOCAL_OBJECT_STORE_BYTES = 200 * 1024**2  # the trainer passes no large objects through Ray

@@ -31,12 +31,26 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict
 
 from online_opd.drafters.checkpoint import WEIGHTS_FILE, read_manifest
-from online_opd.metrics import PolledCollector, server_metrics
+from online_opd.metrics import (
+    PolledCollector,
+    ServedAcceptance,
+    TrainerCollector,
+    server_metrics,
+    spec_totals,
+)
 
 logger = logging.getLogger("online_opd.endpoint")
 
 SERVE_ENV = "ONLINE_OPD_SERVE"
 ROUTE_PREFIX = "/online-opd/v1"
+
+#: Ray actor handle of the online trainer, set by `online-opd serve` in this process.
+_TRAINER: Any = None
+
+
+def set_trainer(handle: Any) -> None:
+    global _TRAINER
+    _TRAINER = handle
 
 
 class EndpointSettings(BaseModel):
@@ -45,6 +59,11 @@ class EndpointSettings(BaseModel):
     admin_token_env: str = "ONLINE_OPD_ADMIN_TOKEN"
     stats_poll_s: float = 5.0
     registry_dir: str | None = None
+    auto_reload: bool = False
+    reload_poll_s: float = 5.0
+    live_check_drafts: int = 200
+    live_check_timeout_s: float = 600.0
+    rollback_tolerance: float = 0.05
 
     @classmethod
     def from_env(cls) -> "EndpointSettings":
@@ -63,22 +82,41 @@ class ReloadRequest(BaseModel):
 class OnlineOPDService:
     """Engine access shared by the admin routes, /metrics and the reloader."""
 
-    def __init__(self, engine_client: Any, settings: EndpointSettings, registry):
+    def __init__(self, engine_client: Any, settings: EndpointSettings):
+        from prometheus_client.registry import Collector
         from vllm.v1.metrics.prometheus import get_prometheus_registry
 
         self.engine = engine_client
         self.settings = settings
         self.latest: dict | None = None
+        self.trainer: dict | None = None
+        self.served = ServedAcceptance()
         self._reload_lock = asyncio.Lock()
-        prom = get_prometheus_registry()
+        self._prom = prom = get_prometheus_registry()
         self.metrics = server_metrics(prom)
         prom.register(PolledCollector(lambda: self.latest))
-        self._poll_task = asyncio.get_running_loop().create_task(self._poll_forever())
+        prom.register(TrainerCollector(lambda: self.trainer))
+        served = self.served
+
+        class _Served(Collector):
+            def collect(self):
+                yield served.collect_family()
+
+        prom.register(_Served())
+        loop = asyncio.get_running_loop()
+        self._tasks = [loop.create_task(self._poll_forever())]
+        if settings.auto_reload and settings.registry_dir:
+            self._tasks.append(loop.create_task(self._reload_forever()))
+
+    @property
+    def version(self) -> str | None:
+        return (self.latest or {}).get("version")
 
     async def status(self) -> dict | None:
         results = await self.engine.collective_rpc("online_opd_status")
         # the capturing rank reports capture figures; any rank reports the version
         self.latest = next((r for r in results if r.get("capture")), results[0] if results else None)
+        self.served.update(self.version, *spec_totals(self._prom))
         return self.latest
 
     async def _poll_forever(self) -> None:
@@ -90,7 +128,63 @@ class OnlineOPDService:
             except Exception as exc:
                 self.metrics["poll_errors"].inc()
                 logger.warning("online-opd status poll failed: %s", exc)
+            if _TRAINER is not None:
+                from serve.trainer_actor import trainer_stats
+
+                self.trainer = await asyncio.to_thread(trainer_stats, _TRAINER, 5.0)
             await asyncio.sleep(self.settings.stats_poll_s)
+
+    # -- the reloader: follow the registry's current version, check it live, roll back ---------------
+    async def _reload_forever(self) -> None:
+        from online_opd.registry import DrafterRegistry
+
+        registry = DrafterRegistry(self.settings.registry_dir)
+        while True:
+            await asyncio.sleep(self.settings.reload_poll_s)
+            try:
+                await self._follow(registry)
+            except asyncio.CancelledError:
+                raise
+            except Exception:
+                logger.exception("reloader iteration failed (serving continues)")
+
+    async def _follow(self, registry) -> None:
+        current = await asyncio.to_thread(registry.current)
+        if current is None or self.version is None or current.version == self.version:
+            return
+        old = self.version
+        baseline, base_drafts = self.served.recent_tau(old, self.settings.live_check_drafts)
+        result = await self.reload(current.path, await asyncio.to_thread(registry.weights_sha256,
+                                                                         current.version))
+        if not result["ok"]:
+            reason = f"hot reload {result['result']}: {result.get('error')}"
+            await asyncio.to_thread(registry.rollback, reason)
+            self.metrics["rollbacks"].inc()
+            logger.error("version %s could not be loaded, rolled back: %s", current.version, reason)
+            return
+        start = self.served.mark(current.version)
+        deadline = time.monotonic() + self.settings.live_check_timeout_s
+        tau, drafts = None, 0.0
+        while time.monotonic() < deadline:
+            await asyncio.sleep(self.settings.stats_poll_s)
+            tau, drafts = self.served.since_tau(current.version, start)
+            if drafts >= self.settings.live_check_drafts or self.version != current.version:
+                break
+        check = {"tau": tau, "drafts": drafts, "baseline_version": old, "baseline_tau": baseline,
+                 "baseline_drafts": base_drafts, "tolerance": self.settings.rollback_tolerance}
+        if (tau is not None and baseline is not None and drafts >= self.settings.live_check_drafts
+                and tau < baseline * (1.0 - self.settings.rollback_tolerance)):
+            reason = f"live tau {tau:.3f} < {baseline:.3f} of {old} (tolerance {self.settings.rollback_tolerance})"
+            check["result"] = "rolled_back"
+            await asyncio.to_thread(registry.set_metrics, current.version, "live_check", check)
+            await asyncio.to_thread(registry.rollback, reason)
+            self.metrics["rollbacks"].inc()
+            logger.warning("rolled back %s: %s", current.version, reason)
+        else:
+            check["result"] = "kept" if drafts >= self.settings.live_check_drafts else "inconclusive"
+            await asyncio.to_thread(registry.set_metrics, current.version, "live_check", check)
+            logger.info("live check of %s: %s (tau %s over %d drafts, %s had %s)", current.version,
+                        check["result"], tau, drafts, old, baseline)
 
     async def reload(self, path: str | Path, sha256: str | None = None) -> dict:
         """Hot-load a checkpoint in every worker; the result says which version serves now."""
@@ -98,6 +192,7 @@ class OnlineOPDService:
         if sha256 is None:
             sha256 = read_manifest(path).get("files", {}).get(WEIGHTS_FILE)
         async with self._reload_lock:
+            self.served.update(self.version, *spec_totals(self._prom))  # close the old version's window
             start = time.perf_counter()
             results = await self.engine.collective_rpc("online_opd_reload", args=(str(path), sha256))
             wall = time.perf_counter() - start
@@ -171,4 +266,4 @@ class OnlineOPDEndpoints:
     async def init_state(self, engine_client, state, args: Namespace) -> None:
         if engine_client is None:
             return
-        state.online_opd = OnlineOPDService(engine_client, self.settings, None)
+        state.online_opd = OnlineOPDService(engine_client, self.settings)
