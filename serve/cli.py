@@ -86,11 +86,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--token-env", default="ONLINE_OPD_ADMIN_TOKEN", help="env var holding the admin token")
     p.add_argument("--timeout", type=float, default=120.0, help="seconds to wait for the reply")
 
-    from serve import buffer_cli, drafters_cli, loadgen
+    from serve import buffer_cli, drafters_cli, loadgen, report, scrape
 
-    buffer_cli.add_parser(sub)
-    drafters_cli.add_parser(sub)
-    loadgen.add_parser(sub)
+    for module in (buffer_cli, drafters_cli, loadgen, report, scrape):
+        module.add_parser(sub)
     return parser
 
 
@@ -127,10 +126,12 @@ def _run(args: argparse.Namespace, extra: list[str]) -> int:
     progress = not args.no_progress
     if extra and args.command != "serve":
         raise ValueError(f"unrecognized arguments: {' '.join(extra)}")
-    if args.command in ("buffer", "drafters", "loadgen"):
-        from serve import buffer_cli, drafters_cli, loadgen
+    if args.command in ("buffer", "drafters", "loadgen", "report", "scrape"):
+        from serve import buffer_cli, drafters_cli, loadgen, report, scrape
 
-        return {"buffer": buffer_cli, "drafters": drafters_cli, "loadgen": loadgen}[args.command].run(args)
+        modules = {"buffer": buffer_cli, "drafters": drafters_cli, "loadgen": loadgen, "report": report,
+                   "scrape": scrape}
+        return modules[args.command].run(args)
     if args.command == "reload":
         return _reload(args)
     if args.command == "serve":
