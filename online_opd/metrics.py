@@ -84,6 +84,7 @@ class TrainerCollector(Collector):
         for key, name, doc in [
             ("steps", "trainer_steps", "Online trainer optimizer steps."),
             ("replayed_tokens", "trainer_replayed_tokens", "Tokens replayed (sequence + drafted blocks)."),
+            ("train_seconds", "trainer_step_seconds", "Seconds spent in optimizer steps (replay + update)."),
             ("records_seen", "trainer_records_seen", "Buffer records read by the trainer."),
             ("records_invalid", "trainer_records_invalid", "Records failing capture fidelity (skipped)."),
             ("errors", "trainer_errors", "Failed trainer steps or gates (logged, training continues)."),

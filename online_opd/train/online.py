@@ -137,8 +137,8 @@ class OnlineTrainer:
         self._saved_step = -1
         self._stats: dict[str, Any] = {
             "status": "waiting_for_data", **{k: 0 for k in _COUNTERS}, "loss": None, "loss_accepted": None,
-            "loss_rejected": None, "lr": None, "grad_norm": None, "step_seconds": None, "last_gate": None,
-            "last_published": None, "last_error": None, "trained_from": current.version,
+            "loss_rejected": None, "lr": None, "grad_norm": None, "step_seconds": None, "train_seconds": 0.0,
+            "last_gate": None, "last_published": None, "last_error": None, "trained_from": current.version,
         }
         self._resume()
 
@@ -245,6 +245,7 @@ class OnlineTrainer:
                                **{k: stats[k] for k in ("loss", "loss_accepted", "loss_rejected", "lr",
                                                         "grad_norm")})
             self._stats["replayed_tokens"] += num_tokens
+            self._stats["train_seconds"] += stats["seconds"]  # optimizer-step time (compute budget)
         if self.step_count % tcfg.log_every == 0:
             logger.info("online step %d: loss %.4f (accepted %.4f, rejected %.4f), %d tokens, %.2fs",
                         self.step_count, stats["loss"], stats["loss_accepted"], stats["loss_rejected"],

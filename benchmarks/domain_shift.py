@@ -1,0 +1,235 @@
+"""Domain shift: a ShareGPT-bootstrapped drafter serving HumanEval traffic, three ways.
+
+Arms, in one run on this machine:
+  (a) static     the bootstrap drafter, never updated;
+  (b) naive      online training with the target-rollout forward KL (trainer.objective=target_rollout);
+  (c) draft_opd  online Draft-OPD (trainer.objective=draft_opd).
+(b) and (c) each run `online-opd serve` with its Ray trainer for the same number of optimizer
+steps (`--steps`) with the same batch shape: equal trainer compute (their trainer seconds are
+reported too). Traffic: `online-opd loadgen`'s engine on HumanEval *train*-split prompts, greedy,
+closed loop. The gate (margin 0, paired lower bound) promotes versions; the reloader hot-loads them.
+
+Measured: served acceptance length tau on *held-out* HumanEval prompts, over each arm's wall
+time. The held-out prompts never reach the server. tau(version) is computed exactly: at T=0
+speculative decoding is lossless, so the blocks a drafter drafts on a target rollout, and how many
+the verifier accepts, follow from the rollout (online_opd/rollout.py), and the drafter vLLM serves
+proposes bit-for-bit what the torch drafter proposes (tests/test_serve.py checks this at every
+captured anchor). The curve is tau of the version serving at each moment. The live tau on the
+training traffic (vLLM's own counters, per version) is reported beside it.
+
+Prints JSON; writes `<out>/domain_shift.json` and `<out>/domain_shift.png`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import shutil
+import sys
+import threading
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from online_opd.config import load_config  # noqa: E402
+from online_opd.data import load_prompts  # noqa: E402
+from online_opd.drafters.checkpoint import load_drafter  # noqa: E402
+from online_opd.registry import DrafterRegistry  # noqa: E402
+from online_opd.rollout import acceptance_length, greedy_blocks  # noqa: E402
+from online_opd.target_model import TargetModel  # noqa: E402
+from online_opd.train.sequences import TrainSequence  # noqa: E402
+from serve import engine  # noqa: E402
+from serve.launcher import ServerProcess  # noqa: E402
+from serve.loadgen import LoadConfig, run_load  # noqa: E402
+from serve.pipeline import load_tokenizer, resolve_target  # noqa: E402
+from serve.scrape import scrape_loop  # noqa: E402
+
+logger = logging.getLogger("domain_shift")
+
+
+def held_out_rollouts(cfg, target: Path, num_prompts: int, max_tokens: int) -> list[list[int]]:
+    prompts = load_prompts("humaneval", num_prompts=num_prompts, split="held_out", seed=0)
+    ids = engine.chat_prompt_ids(load_tokenizer(target), [p.messages for p in prompts])
+    llm = engine.make_llm(target, dtype="float32", max_model_len=cfg.model.max_model_len,
+                          engine_kwargs={"max_num_seqs": 16})
+    try:
+        gens = engine.generate(llm, ids, max_tokens=max_tokens, progress=False)
+    finally:
+        engine.shutdown(llm)
+    return [(g.prompt_ids, g.output_ids) for g in gens if g.output_ids]
+
+
+class HeldOutTau:
+    """Exact T=0 tau of a drafter on fixed held-out target rollouts (features computed once)."""
+
+    def __init__(self, target: Path, rollouts, layer_ids):
+        self.model = TargetModel.from_pretrained(target, dtype=torch.float32)
+        self.seqs = []
+        with torch.no_grad():
+            for prompt, output in rollouts:
+                tokens = torch.tensor(prompt + output)
+                feats = self.model.forward(tokens, layer_ids=layer_ids, logits_at=tokens[:0]).aux_hidden
+                self.seqs.append(TrainSequence(tokens, len(prompt), feats))
+
+    def __call__(self, drafter_path: Path) -> float:
+        drafter = load_drafter(drafter_path)
+        drafter.attach_target(self.model.embed_weight, self.model.lm_head_weight)
+        return acceptance_length([greedy_blocks(drafter, s) for s in self.seqs])
+
+
+def run_arm(name: str, objective: str, args, bootstrap_dir: Path, out: Path) -> dict:
+    run_dir = out / name
+    shutil.rmtree(run_dir, ignore_errors=True)
+    overrides = [f"trainer.objective={objective}", f"trainer.lr={args.lr}", "trainer.warmup_ratio=0.0",
+                 f"trainer.sequences_per_step={args.sequences_per_step}",
+                 f"trainer.anchors_per_sequence={args.anchors}", f"online.max_steps={args.steps}",
+                 "online.min_records=4", "online.checkpoint_every=1000",
+                 f"gate.every_steps={args.gate_every}", "gate.min_records=6", "gate.held_out_fraction=0.15",
+                 "gate.max_records=32", "gate.max_blocks_per_record=32", "serve.live_check_drafts=300",
+                 "serve.stats_poll_s=2", "serve.reload_poll_s=2", f"bootstrap.output_dir={bootstrap_dir}"]
+    server = ServerProcess(run_dir, args.config, *[x for o in overrides for x in ("-o", o)],
+                           "--max-num-seqs", "8", token="domain-shift")
+    stop = threading.Event()
+    loads: list[dict] = []
+    t0 = time.time()
+    try:
+        server.wait_ready()
+        t0 = time.time()
+        scraper = threading.Thread(target=scrape_loop, args=(server.url, run_dir / "scrapes.jsonl", 5.0),
+                                   kwargs={"stop": stop}, daemon=True)
+        scraper.start()
+
+        def traffic() -> None:
+            while not stop.is_set():
+                loads.append(run_load(LoadConfig(
+                    base_url=f"{server.url}/v1", prompts="humaneval", split="train", num_prompts=256,
+                    num_requests=16, concurrency=4, max_tokens=args.max_tokens, temperature=0.0,
+                    progress=False)))
+
+        sender = threading.Thread(target=traffic, daemon=True)
+        sender.start()
+        deadline = t0 + args.minutes * 60
+        steps = 0.0
+        while time.time() < deadline:
+            time.sleep(10)
+            metrics = server.metrics()
+            steps = metrics.get("online_opd_trainer_steps_total", 0.0)
+            logger.info("%s: %.0f s, trainer step %.0f, promotions %.0f", name, time.time() - t0, steps,
+                        metrics.get("online_opd_gate_promotions_total", 0.0))
+            if steps >= args.steps:
+                time.sleep(20)  # let the reloader pick up a last promotion
+                break
+        final_metrics = server.metrics()
+        stop.set()
+        sender.join(600)
+    finally:
+        stop.set()
+        server.stop()
+    registry = DrafterRegistry(run_dir / "registry")
+    history = registry.history()
+    return {"name": name, "objective": objective, "run_dir": str(run_dir), "t0": t0,
+            "wall_s": time.time() - t0, "trainer_steps": steps,
+            "trainer_step_seconds": final_metrics.get("online_opd_trainer_step_seconds_total"), "history": history, "final_metrics": {
+                k: v for k, v in final_metrics.items() if k.startswith(("online_opd_", "vllm:spec_decode"))},
+            "requests_failed": sum(s.get("requests_failed", 0) for s in loads),
+            "requests_ok": sum(s.get("requests_ok", 0) for s in loads), "registry": registry}
+
+
+def timeline(arm: dict, tau_of) -> list[dict]:
+    """(seconds since the arm started, version serving, held-out tau) at each switch of `current`."""
+    points = []
+    registry: DrafterRegistry = arm["registry"]
+    for event in arm["history"]:
+        if event["event"] in ("promote", "rollback"):
+            version = event["version"]  # for a rollback: the version switched back to
+            info = registry.get(version)
+            points.append({"t": max(0.0, event["time"] - arm["t0"]), "event": event["event"],
+                           "version": version, "tau_held_out": tau_of(info.path),
+                           "gate": (info.metrics or {}).get("gate"), "live": (info.metrics or {}).get("live_check")})
+    return points
+
+
+def plot(static_tau: float, arms: list[dict], out: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(8, 4.5))
+    end = max(a["wall_s"] for a in arms) if arms else 1.0
+    ax.hlines(static_tau, 0, end / 60, colors="grey", linestyles="--", label="(a) static bootstrap")
+    for arm, label in zip(arms, ["(b) online target-rollout KL", "(c) online Draft-OPD"]):
+        xs, ys = [], []
+        for p in arm["timeline"]:
+            xs.append(p["t"] / 60)
+            ys.append(p["tau_held_out"])
+        xs.append(arm["wall_s"] / 60)
+        ys.append(ys[-1] if ys else static_tau)
+        ax.step(xs, ys, where="post", label=label)
+    ax.set_xlabel("wall time of the arm (min)")
+    ax.set_ylabel("served tau, held-out HumanEval (T=0)")
+    ax.set_title("ShareGPT-bootstrapped drafter under HumanEval traffic")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(out, dpi=120)
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--config", type=Path, default=ROOT / "configs" / "default.yaml")
+    p.add_argument("--bootstrap", type=Path, default=ROOT / "runs" / "bootstrap",
+                   help="bootstrap run folder (holds drafter/)")
+    p.add_argument("--out", type=Path, default=ROOT / "runs" / "domain_shift")
+    p.add_argument("--steps", type=int, default=150, help="trainer steps per online arm (equal compute)")
+    p.add_argument("--minutes", type=float, default=14.0, help="wall-time cap per online arm")
+    p.add_argument("--gate-every", type=int, default=25)
+    p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--sequences-per-step", type=int, default=2)
+    p.add_argument("--anchors", type=int, default=16)
+    p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--eval-prompts", type=int, default=32)
+    p.add_argument("--arms", default="target_rollout,draft_opd")
+    args = p.parse_args()
+    logging.basicConfig(level=logging.INFO, stream=sys.stderr,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if not (args.bootstrap / "drafter" / "manifest.json").exists():
+        raise SystemExit(f"{args.bootstrap}/drafter missing: run `online-opd bootstrap` first")
+    args.out.mkdir(parents=True, exist_ok=True)
+    cfg = load_config(args.config)
+    target = resolve_target(cfg, progress=False)
+    start = time.time()
+    rollouts = held_out_rollouts(cfg, target, args.eval_prompts, args.max_tokens)
+    drafter = load_drafter(args.bootstrap / "drafter")
+    tau_of = HeldOutTau(target, rollouts, drafter.target_layer_ids)
+    static_tau = tau_of(args.bootstrap / "drafter")
+    logger.info("held-out HumanEval: %d rollouts; static tau %.4f", len(rollouts), static_tau)
+    arms = []
+    names = {"target_rollout": "naive", "draft_opd": "draft_opd"}
+    for objective in args.arms.split(","):
+        arm = run_arm(names.get(objective, objective), objective, args, args.bootstrap, args.out)
+        arm["timeline"] = timeline(arm, tau_of)
+        arm.pop("registry")
+        arms.append(arm)
+        logger.info("%s done: %s", arm["name"], [(round(p["t"]), p["version"], round(p["tau_held_out"], 4))
+                                                 for p in arm["timeline"]])
+    plot(static_tau, arms, args.out / "domain_shift.png")
+    result = {"held_out_prompts": len(rollouts), "max_tokens": args.max_tokens,
+              "static_tau": static_tau, "steps_per_arm": args.steps,
+              "arms": [{k: v for k, v in a.items() if k != "history"} for a in arms],
+              "final_tau": {"static": static_tau, **{a["name"]: (a["timeline"][-1]["tau_held_out"]
+                                                                  if a["timeline"] else static_tau)
+                                                     for a in arms}},
+              "seconds": time.time() - start, "png": str(args.out / "domain_shift.png")}
+    text = json.dumps(result, indent=2, default=str)
+    (args.out / "domain_shift.json").write_text(text + "\n")
+    print(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
