@@ -6,7 +6,7 @@ STAMP  := $(VENV)/.online-opd-installed
 CONFIG ?= configs/default.yaml
 RUN    ?= runs/bootstrap
 
-.PHONY: install run test test-fast clean
+.PHONY: install run bootstrap test test-fast clean
 
 $(STAMP): pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
@@ -20,8 +20,16 @@ $(STAMP): pyproject.toml Makefile
 
 install: $(STAMP)
 
-# Main job on the embedded CPU default: set up SmolLM2, bootstrap a DFlash drafter, measure it served.
+# Main job on the embedded CPU default: serve SmolLM2 on 127.0.0.1:8000 with speculative decoding, capture,
+# the online trainer, gate, registry and hot reload (Ctrl-C stops it gracefully). Send traffic with
+# `.venv/bin/online-opd loadgen` from another terminal. Starts from runs/bootstrap/drafter when it exists
+# (`make bootstrap`), else from a fresh drafter that learns from the traffic.
 run: $(STAMP)
+	$(BIN)/online-opd setup
+	$(BIN)/online-opd serve -c $(CONFIG) $(SERVE_ARGS)
+
+# Offline warm-up (about 30 min here): target rollouts, SFT of a fresh drafter, served measurement.
+bootstrap: $(STAMP)
 	$(BIN)/online-opd setup
 	$(BIN)/online-opd bootstrap -c $(CONFIG) --run-dir $(RUN)
 	$(BIN)/online-opd eval -c $(CONFIG) --drafter $(RUN)/drafter --out $(RUN)/eval.json
