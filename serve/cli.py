@@ -76,6 +76,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="checkpoint to serve first (default: the registry's current version)")
     p.add_argument("--no-capture", action="store_true", help="serve without recording traffic")
     p.add_argument("--no-train", action="store_true", help="capture, but run no online trainer")
+    p.add_argument("--ray-address", default=None,
+                   help="Ray cluster for the trainer actor (e.g. auto, ray://head:10001; default: local Ray)")
     p.add_argument("--dry-run", action="store_true", help="print the vLLM command and environment, exit")
 
     p = sub.add_parser("reload", help="hot-load a drafter into a running server (admin token required)")
@@ -137,7 +139,10 @@ def _run(args: argparse.Namespace, extra: list[str]) -> int:
     if args.command == "serve":
         from serve.server import serve
 
-        cfg = load_config(args.config, args.override)
+        overrides = list(args.override)
+        if args.ray_address:
+            overrides.append(f"online.ray_address={args.ray_address}")
+        cfg = load_config(args.config, overrides)
         return serve(cfg, drafter=args.drafter, capture=not args.no_capture, train=not args.no_train,
                      passthrough=extra,
                      progress=progress, dry_run=args.dry_run)

@@ -67,3 +67,57 @@ def test_serve_train_gate_publish_reload(tmp_path):
     events = [e["event"] for e in history]
     assert "publish" in events and events.count("promote") >= 2, history  # v0001, then a gated candidate
     assert all(s["requests_failed"] == 0 for s in summaries), summaries
+
+
+def test_live_check_rolls_back_a_worse_drafter(trained_run, tmp_path):
+    """The reloader loads a promoted random drafter, sees live acceptance fall and rolls back."""
+    import torch
+
+    from online_opd.drafters.checkpoint import load_drafter
+    from tests.serving import CONFIG as SERVE_CONFIG
+
+    server = ServerProcess(tmp_path / "serve", SERVE_CONFIG, "--no-train", "-o", f"bootstrap.output_dir={trained_run}",
+                           "-o", "serve.live_check_drafts=60", "-o", "serve.rollback_tolerance=0.2", token=TOKEN)
+    stop = threading.Event()
+    summaries: list[dict] = []
+
+    def traffic() -> None:
+        while not stop.is_set():  # the memorised prompts (configs/test-serve.yaml's data section)
+            summaries.append(run_load(LoadConfig(
+                base_url=f"{server.url}/v1", prompts="sharegpt", num_prompts=6, num_requests=8,
+                concurrency=4, max_tokens=48, temperature=0.0, progress=False)))
+
+    try:
+        server.wait_ready()
+        registry = DrafterRegistry(server.run_dir / "registry")
+        assert registry.current().version == "v0001"
+        sender = threading.Thread(target=traffic)
+        sender.start()
+        time.sleep(15)  # the trained version's live acceptance: the baseline
+        worse = load_drafter(trained_run / "drafter")
+        torch.manual_seed(0)
+        with torch.no_grad():
+            for p in worse.parameters():
+                if p.dim() == 2:
+                    p.normal_(0.0, 0.02)
+        bad = registry.publish(worse, parent="v0001")
+        registry.promote(bad.version, reason="test: a worse drafter")
+        deadline = time.monotonic() + 300
+        while time.monotonic() < deadline and registry.current().version != "v0001":
+            time.sleep(2)
+        time.sleep(6)  # the reloader loads v0001 again
+        metrics = server.metrics()
+        stop.set()
+        sender.join(600)
+    finally:
+        stop.set()
+        code = server.stop()
+    assert code in (0, -15), server.tail()
+    assert registry.current().version == "v0001", registry.history()
+    assert registry.get(bad.version).status == "bad"
+    check = registry.get(bad.version).metrics["live_check"]
+    assert check["result"] == "rolled_back" and check["tau"] < check["baseline_tau"], check
+    assert metrics["online_opd_rollbacks_total"] == 1
+    assert metrics["online_opd_reloads_total{result=ok}"] >= 2  # to the bad version and back
+    assert metrics['online_opd_drafter_info{version=v0001}'] == 1.0
+    assert all(s["requests_failed"] == 0 for s in summaries), summaries
