@@ -35,7 +35,7 @@ bootstrap: $(STAMP)
 	$(BIN)/online-opd eval -c $(CONFIG) --drafter $(RUN)/drafter --out $(RUN)/eval.json
 
 test: $(STAMP)
-	$(BIN)/ruff check online_opd serve tests benchmarks
+	$(BIN)/ruff check online_opd serve vllm_patches tests benchmarks
 	$(BIN)/python -m pytest
 
 test-fast: $(STAMP)
