@@ -24,6 +24,7 @@ import logging
 import math
 import os
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -127,4 +128,8 @@ def stop_trainer(handle, timeout: float = 60.0) -> dict[str, Any] | None:
         ray.kill(handle, no_restart=True)
     except Exception as exc:
         logger.debug("killing the trainer actor: %r", exc)
+    # ray.kill is asynchronous: return only once the actor no longer answers
+    deadline = time.monotonic() + 30.0
+    while time.monotonic() < deadline and trainer_stats(handle, timeout=2.0) is not None:
+        time.sleep(0.2)
     return final
