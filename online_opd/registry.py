@@ -41,6 +41,7 @@ from online_opd.drafters.checkpoint import (
     MANIFEST_FILE,
     WEIGHTS_FILE,
     CheckpointError,
+    fsync_path,
     read_manifest,
     save_drafter,
     sha256_file,
@@ -165,7 +166,7 @@ class DrafterRegistry:
         staging.mkdir()
         for name in names:
             shutil.copy2(source / name, staging / name)
-            _fsync(staging / name)
+            fsync_path(staging / name)
         hashes = dict(manifest.get("files", {}))
         for name in names:  # files the source did not hash are hashed here, after the copy
             hashes.setdefault(name, sha256_file(staging / name))
@@ -428,13 +429,5 @@ def _atomic_write_json(path: Path, obj: Any) -> None:
     _fsync_dir(path.parent)
 
 
-def _fsync(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def _fsync_dir(path: Path) -> None:
-    _fsync(path)
+    fsync_path(path)

@@ -29,6 +29,7 @@ from online_opd.drafters.checkpoint import (
     CONFIG_FILE,
     WEIGHTS_FILE,
     CheckpointError,
+    check_tensors,
     read_manifest,
     sha256_file,
 )
@@ -89,26 +90,10 @@ def read_checked_tensors(path: Path, sha256: str | None, serving_config: dict | 
         cls = drafter_class_for_config(hf_config)
         with torch.device("meta"):  # shapes only: no memory for a second copy of the drafter
             module = cls(cls.config_cls.from_hf_config(hf_config))
-        _check_names_shapes(module, tensors, str(path))
+        check_tensors(module.state_dict(), tensors, str(path))
     except (CheckpointError, ValueError) as exc:
         raise ReloadError(str(exc)) from exc
     return tensors
-
-
-def _check_names_shapes(module: torch.nn.Module, tensors: dict[str, torch.Tensor], source: str) -> None:
-    expected = module.state_dict()
-    missing = sorted(set(expected) - set(tensors))
-    unexpected = sorted(set(tensors) - set(expected))
-    if missing:
-        raise CheckpointError(f"{source}: missing tensor(s) {missing}")
-    if unexpected:
-        raise CheckpointError(f"{source}: unexpected tensor(s) {unexpected}")
-    for name, tensor in tensors.items():
-        if tuple(tensor.shape) != tuple(expected[name].shape):
-            raise CheckpointError(f"{source}: tensor {name!r} has shape {tuple(tensor.shape)}, "
-                                  f"expected {tuple(expected[name].shape)}")
-        if not torch.isfinite(tensor).all():
-            raise CheckpointError(f"{source}: tensor {name!r} has non-finite values")
 
 
 

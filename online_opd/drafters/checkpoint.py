@@ -68,11 +68,11 @@ def save_drafter(
         }
         (tmp / MANIFEST_FILE).write_text(json.dumps(manifest, indent=2))
         for f in tmp.iterdir():
-            _fsync(f)
+            fsync_path(f)
         if path.exists():
             shutil.rmtree(path)
         os.replace(tmp, path)
-        _fsync(path.parent)
+        fsync_path(path.parent)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
@@ -106,7 +106,12 @@ def load_drafter(path: str | Path, *, verify_hashes: bool = True) -> nn.Module:
 
 def load_state_checked(drafter: nn.Module, tensors: dict[str, torch.Tensor], source: str) -> None:
     """Copy `tensors` into `drafter`; errors name the missing/extra/mis-shaped tensor."""
-    expected = drafter.state_dict()
+    check_tensors(drafter.state_dict(), tensors, source)
+    drafter.load_state_dict(tensors, strict=True)
+
+
+def check_tensors(expected: dict[str, torch.Tensor], tensors: dict[str, torch.Tensor], source: str) -> None:
+    """Names, shapes and finiteness of `tensors` against `expected` (a state dict; meta tensors do)."""
     missing = sorted(set(expected) - set(tensors))
     unexpected = sorted(set(tensors) - set(expected))
     if missing:
@@ -121,7 +126,6 @@ def load_state_checked(drafter: nn.Module, tensors: dict[str, torch.Tensor], sou
             )
         if not torch.isfinite(tensor).all():
             raise CheckpointError(f"{source}: tensor {name!r} has non-finite values")
-    drafter.load_state_dict(tensors, strict=True)
 
 
 def verify_checkpoint(path: str | Path) -> dict:
@@ -138,7 +142,8 @@ def verify_checkpoint(path: str | Path) -> dict:
     return manifest
 
 
-def _fsync(path: Path) -> None:
+def fsync_path(path: Path) -> None:
+    """fsync a file or a directory (directories: makes a rename into them durable)."""
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
