@@ -18,12 +18,12 @@ import pytest
 
 from online_opd.buffer import (
     BufferReader,
-    BufferWriter,
     CorruptSegment,
     SegmentWriter,
     parse_segment_name,
     segment_name,
 )
+from online_opd.buffer_writer import BufferWriter
 from online_opd.records import BlockRecord, SequenceRecord, check_fidelity
 from serve import buffer_cli
 

@@ -46,7 +46,7 @@ from typing import Any
 import torch
 from pydantic import BaseModel, ConfigDict
 
-from online_opd.buffer import BufferWriter
+from online_opd.buffer_writer import BufferWriter
 from online_opd.records import BlockRecord, SequenceRecord
 
 logger = logging.getLogger("online_opd.capture")
