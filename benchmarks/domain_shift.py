@@ -12,7 +12,7 @@ closed loop. The gate (margin 0, paired lower bound) promotes versions; the relo
 Measured: served acceptance length tau on *held-out* HumanEval prompts, over each arm's wall
 time. The held-out prompts never reach the server. tau(version) is computed exactly: at T=0
 speculative decoding is lossless, so the blocks a drafter drafts on a target rollout, and how many
-the verifier accepts, follow from the rollout (online_opd/rollout.py), and the drafter vLLM serves
+the verifier accepts, follow from the rollout (online_opd/opd/rollout.py), and the drafter vLLM serves
 proposes bit-for-bit what the torch drafter proposes (tests/test_serve.py checks this at every
 captured anchor). The curve is tau of the version serving at each moment. The live tau on the
 training traffic (vLLM's own counters, per version) is reported beside it.
@@ -38,10 +38,10 @@ sys.path.insert(0, str(ROOT))
 
 from online_opd.config import load_config  # noqa: E402
 from online_opd.data import load_prompts  # noqa: E402
-from online_opd.drafters.checkpoint import load_drafter  # noqa: E402
-from online_opd.registry import DrafterRegistry  # noqa: E402
-from online_opd.rollout import acceptance_length, greedy_blocks  # noqa: E402
-from online_opd.target_model import TargetModel  # noqa: E402
+from online_opd.models.drafters.checkpoint import load_drafter  # noqa: E402
+from online_opd.models.target_model import TargetModel  # noqa: E402
+from online_opd.opd.rollout import acceptance_length, greedy_blocks  # noqa: E402
+from online_opd.release.registry import DrafterRegistry  # noqa: E402
 from online_opd.train.sequences import TrainSequence  # noqa: E402
 from serve import engine  # noqa: E402
 from serve.launcher import ServerProcess  # noqa: E402

@@ -26,9 +26,9 @@ from pathlib import Path
 import torch
 
 from online_opd.config import load_config
-from online_opd.drafters.checkpoint import save_drafter
-from online_opd.records import SequenceRecord
-from online_opd.rollout import acceptance_length, greedy_blocks
+from online_opd.models.drafters.checkpoint import save_drafter
+from online_opd.opd.rollout import acceptance_length, greedy_blocks
+from online_opd.traces.records import SequenceRecord
 from online_opd.train.loop import train
 from online_opd.train.opd import opd_step_fn
 from online_opd.train.sft import sample_anchors, sft_loss

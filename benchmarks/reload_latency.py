@@ -91,7 +91,7 @@ def check_drafter(path: Path) -> Path:
 
 def make_copy(drafter: Path, dest: Path) -> Path:
     """D saved again as version "bench-b" (same weights; manifest and sha256s of its own)."""
-    from online_opd.drafters.checkpoint import load_drafter, read_manifest, save_drafter
+    from online_opd.models.drafters.checkpoint import load_drafter, read_manifest, save_drafter
 
     parent = read_manifest(drafter).get("version")
     return save_drafter(load_drafter(drafter), dest, version=COPY_VERSION, parent_version=parent)
@@ -318,7 +318,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="reload-latency-") as tmp:
         base = args.run_dir or Path(tmp)
         copy = make_copy(args.drafter, base / "drafters" / COPY_VERSION)
-        from online_opd.drafters.checkpoint import read_manifest
+        from online_opd.models.drafters.checkpoint import read_manifest
 
         paths = [(copy, COPY_VERSION), (args.drafter, str(read_manifest(args.drafter).get("version")
                                                             or args.drafter.name))]

@@ -23,10 +23,10 @@ import time
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from online_opd.drafters.dflash import DFlashConfig, DFlashDrafter, init_weights
-from online_opd.records import BlockRecord
-from online_opd.replay import replay_sequence, replay_sequence_naive
-from online_opd.target_model import TargetModel
+from online_opd.models.drafters.dflash import DFlashConfig, DFlashDrafter, init_weights
+from online_opd.models.target_model import TargetModel
+from online_opd.opd.replay import replay_sequence, replay_sequence_naive
+from online_opd.traces.records import BlockRecord
 
 SMOLLM2_135M_SHAPE = dict(
     vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,

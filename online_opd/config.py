@@ -57,7 +57,7 @@ class ModelConfig(_Strict):
         """``cache_dir``, or the package default when unset."""
         if self.cache_dir is not None:
             return self.cache_dir.expanduser()
-        from online_opd.target import default_cache_dir
+        from online_opd.models.target import default_cache_dir
 
         return default_cache_dir()
 
@@ -206,7 +206,7 @@ class ServeConfig(_Strict):
 
 class GateConfig(_Strict):
     """Promotion gate: a candidate drafter replaces the serving one only when its simulated
-    acceptance on held-out traffic is higher with confidence (online_opd/gate.py)."""
+    acceptance on held-out traffic is higher with confidence (online_opd/release/gate.py)."""
 
     every_steps: int = Field(50, ge=1, description="Trainer steps between gate evaluations of the candidate.")
     min_records: int = Field(

@@ -17,8 +17,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from online_opd.buffer import BufferReader
-from online_opd.records import SequenceRecord
+from online_opd.traces.buffer import BufferReader
+from online_opd.traces.records import SequenceRecord
 
 
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:

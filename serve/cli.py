@@ -147,7 +147,7 @@ def _run(args: argparse.Namespace, extra: list[str]) -> int:
                      passthrough=extra,
                      progress=progress, dry_run=args.dry_run)
     if args.command == "setup":
-        from online_opd.target import ensure_embedded_target
+        from online_opd.models.target import ensure_embedded_target
 
         path = ensure_embedded_target(args.cache_dir, progress=progress, verify=args.verify)
         _emit({"target": str(path)})

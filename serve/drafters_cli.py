@@ -14,7 +14,7 @@ import logging
 import os
 from pathlib import Path
 
-from online_opd.registry import DrafterRegistry, RegistryError
+from online_opd.release.registry import DrafterRegistry, RegistryError
 
 logger = logging.getLogger("online_opd")
 

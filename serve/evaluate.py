@@ -41,7 +41,7 @@ def _run_levels(llm, prompt_ids, cfg: OnlineOPDConfig, progress: bool) -> tuple[
 
 def evaluate(cfg: OnlineOPDConfig, drafter: Path, *, progress: bool = True) -> dict:
     """Served tau and tokens/s of `drafter`, with a no-speculation baseline."""
-    from online_opd.drafters.checkpoint import read_manifest, verify_checkpoint
+    from online_opd.models.drafters.checkpoint import read_manifest, verify_checkpoint
 
     verify_checkpoint(drafter)
     hf_config = json.loads((drafter / "config.json").read_text())

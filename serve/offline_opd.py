@@ -2,7 +2,7 @@
 
 `rollout` produces T=0 speculative-decoding records of a drafter on target
 rollouts (vLLM generates the greedy tokens; the blocks and accept counts
-follow exactly from them, see `online_opd.rollout`). `train` runs the
+follow exactly from them, see `online_opd.opd.rollout`). `train` runs the
 configured objective on any folder of records, including captured ones.
 """
 
@@ -15,9 +15,9 @@ from pathlib import Path
 import torch
 
 from online_opd.config import OnlineOPDConfig
-from online_opd.drafters.checkpoint import read_manifest, save_drafter
-from online_opd.records import SequenceRecord
-from online_opd.rollout import acceptance_length, greedy_blocks
+from online_opd.models.drafters.checkpoint import read_manifest, save_drafter
+from online_opd.opd.rollout import acceptance_length, greedy_blocks
+from online_opd.traces.records import SequenceRecord
 from online_opd.train.loop import train
 from online_opd.train.opd import opd_step_fn, read_records, write_records
 from serve.pipeline import load_serving_drafter, prepare_sequences, resolve_target

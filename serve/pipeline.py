@@ -17,10 +17,10 @@ import torch
 
 from online_opd.config import OnlineOPDConfig
 from online_opd.data import load_prompts
-from online_opd.drafters.checkpoint import load_drafter, save_drafter
-from online_opd.drafters.factory import new_drafter
-from online_opd.target import ensure_embedded_target
-from online_opd.target_model import TargetModel
+from online_opd.models.drafters.checkpoint import load_drafter, save_drafter
+from online_opd.models.drafters.factory import new_drafter
+from online_opd.models.target import ensure_embedded_target
+from online_opd.models.target_model import TargetModel
 from online_opd.train.loop import train
 from online_opd.train.sequences import (
     TrainSequence,

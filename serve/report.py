@@ -35,7 +35,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
-from online_opd.metrics import version_number
+from online_opd.release.registry import version_number
 
 __all__ = ["ACCEPTED", "DRAFTS", "TRAINER_STEPS", "VERSION_GAUGE", "RecordPoint", "ReportError",
            "add_parser", "buffer_series", "buffer_summary", "load_records", "load_scrapes", "report",
@@ -73,7 +73,7 @@ class RecordPoint:
 
 def load_records(buffer: Path) -> tuple[list[RecordPoint], int]:
     """Every record of the buffer as a ``RecordPoint``, and the number of corrupt segments skipped."""
-    from online_opd.buffer import BufferReader
+    from online_opd.traces.buffer import BufferReader
 
     if not Path(buffer).is_dir():
         raise ReportError(f"buffer {buffer} is not a directory")

@@ -52,7 +52,7 @@ def engine_flags(engine: dict[str, Any]) -> list[str]:
 
 def resolve_drafter(cfg: OnlineOPDConfig, target: Path, explicit: Path | None, *, progress: bool) -> Path:
     """The checkpoint folder to start serving (see the module docstring for the order)."""
-    from online_opd.registry import DrafterRegistry
+    from online_opd.release.registry import DrafterRegistry
 
     if explicit is not None:
         return explicit.resolve()
@@ -69,8 +69,8 @@ def resolve_drafter(cfg: OnlineOPDConfig, target: Path, explicit: Path | None, *
     else:
         import torch
 
-        from online_opd.drafters.factory import new_drafter
-        from online_opd.target_model import TargetModel
+        from online_opd.models.drafters.factory import new_drafter
+        from online_opd.models.target_model import TargetModel
         from serve.pipeline import load_tokenizer
 
         logger.warning("no trained drafter found (registry %s, %s): starting from a fresh drafter "
@@ -105,7 +105,7 @@ def _model_name(cfg: OnlineOPDConfig, target: Path) -> str:
 def serve_env(cfg: OnlineOPDConfig, target: Path, drafter: Path, *, capture: bool,
               follow_registry: bool = True) -> dict[str, str]:
     """Environment for vLLM's processes: plugin allowlist and online-opd settings."""
-    from online_opd.drafters.checkpoint import read_manifest
+    from online_opd.models.drafters.checkpoint import read_manifest
     from vllm_patches import CAPTURE_ENV
     from vllm_patches.capture import CaptureSettings
     from vllm_patches.endpoint import SERVE_ENV, EndpointSettings
@@ -136,13 +136,13 @@ def start_online_trainer(cfg: OnlineOPDConfig, target: Path):
     also registered to run at exit."""
     import atexit
 
-    from serve.trainer_actor import start_trainer, stop_trainer
-    from vllm_patches.endpoint import set_trainer
+    from serve.trainer_actor import start_trainer, stop_trainer, trainer_stats
+    from vllm_patches.endpoint import set_trainer_stats
 
     handle = start_trainer(cfg, target_path=target, buffer_dir=cfg.capture.buffer_dir.resolve(),
                            registry_dir=cfg.serve.registry.resolve(),
                            state_dir=cfg.online.resolved_state_dir(cfg.serve.run_dir).resolve())
-    set_trainer(handle)
+    set_trainer_stats(lambda: trainer_stats(handle, timeout=5.0))
 
     stopped = []
 

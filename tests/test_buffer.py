@@ -16,15 +16,15 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from online_opd.buffer import (
+from online_opd.traces.buffer import (
     BufferReader,
     CorruptSegment,
     SegmentWriter,
     parse_segment_name,
     segment_name,
 )
-from online_opd.buffer_writer import BufferWriter
-from online_opd.records import BlockRecord, SequenceRecord, check_fidelity
+from online_opd.traces.records import BlockRecord, SequenceRecord, check_fidelity
+from online_opd.traces.writer import BufferWriter
 from serve import buffer_cli
 
 
@@ -102,7 +102,7 @@ def test_torn_bitflipped_and_unparseable_segments_are_skipped_and_counted(tmp_pa
      ).write_bytes(garbage)
 
     reader = BufferReader(tmp_path)
-    with caplog.at_level(logging.WARNING, logger="online_opd.buffer"):
+    with caplog.at_level(logging.WARNING, logger="online_opd.traces.buffer"):
         assert [r.record_id for r in reader.iter_records()] == ["req-0", "req-1"]
         assert [r.record_id for r in reader.iter_records()] == ["req-0", "req-1"]
     assert len(reader.corrupt) == 3 and {torn.name, flipped.name} < set(reader.corrupt)

@@ -8,15 +8,15 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from online_opd.drafters.checkpoint import (
+from online_opd.models.drafters.checkpoint import (
     CheckpointError,
     load_drafter,
     read_manifest,
     save_drafter,
     verify_checkpoint,
 )
-from online_opd.drafters.dflash import block_attention_mask
-from online_opd.drafters.factory import default_target_layer_ids
+from online_opd.models.drafters.dflash import block_attention_mask
+from online_opd.models.drafters.factory import default_target_layer_ids
 from tests.tiny import VOCAB, tiny_drafter, tiny_target
 
 

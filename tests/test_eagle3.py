@@ -1,4 +1,4 @@
-"""Tests for the EAGLE-3 drafter (online_opd.drafters.eagle3).
+"""Tests for the EAGLE-3 drafter (online_opd.models.drafters.eagle3).
 
 Fast tests use a tiny random config. `naive_chain` is an independent
 reference: it replays vLLM's proposer literally for one anchor (first pass
@@ -17,10 +17,10 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from online_opd.drafters.checkpoint import load_drafter, save_drafter
-from online_opd.drafters.eagle3 import Eagle3Config, Eagle3Drafter, vllm_default_aux_layer_ids
-from online_opd.drafters.layers import grouped_attention, rope_cos_sin
-from online_opd.drafters.registry import drafter_class, drafter_class_for_config
+from online_opd.models.drafters.checkpoint import load_drafter, save_drafter
+from online_opd.models.drafters.eagle3 import Eagle3Config, Eagle3Drafter, vllm_default_aux_layer_ids
+from online_opd.models.drafters.layers import grouped_attention, rope_cos_sin
+from online_opd.models.drafters.registry import drafter_class, drafter_class_for_config
 
 HIDDEN, VOCAB, NUM_AUX = 32, 97, 3
 
@@ -230,7 +230,7 @@ def test_vllm_serves_eagle3_checkpoint(tmp_path):
     and drafts with it; every block it proposes equals `Eagle3Drafter.propose`
     on the same sequence, and its accepted count equals the one predicted
     from our drafts."""
-    from online_opd.target import ensure_embedded_target
+    from online_opd.models.target import ensure_embedded_target
 
     target = ensure_embedded_target()
     script = Path(__file__).parent / "helpers" / "vllm_parity_check.py"

@@ -13,7 +13,8 @@ import pytest
 import torch
 
 from online_opd.config import GateConfig, TrainerConfig
-from online_opd.gate import (
+from online_opd.opd.specdec import processed_probs, speculative_generate, verify_greedy, verify_rejection
+from online_opd.release.gate import (
     evaluate_gate,
     gate_anchors,
     is_held_out,
@@ -22,7 +23,6 @@ from online_opd.gate import (
     split_held_out,
     t_quantile,
 )
-from online_opd.specdec import processed_probs, speculative_generate, verify_greedy, verify_rejection
 from online_opd.train.loop import train
 from online_opd.train.sequences import TrainSequence, compute_aux_hidden
 from online_opd.train.sft import sample_anchors, sft_loss

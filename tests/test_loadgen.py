@@ -187,7 +187,7 @@ def test_unreachable_server_fails_requests_but_not_the_run(tmp_path: Path, capsy
 @pytest.fixture(scope="module")
 def vllm_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     """`vllm serve` of the embedded target on a free port; always terminated (process group)."""
-    from online_opd.target import ensure_embedded_target
+    from online_opd.models.target import ensure_embedded_target
 
     target = ensure_embedded_target(progress=False)
     port = free_port()

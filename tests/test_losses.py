@@ -1,4 +1,4 @@
-"""Tests for online_opd.losses: hand-worked KL values, gradients, validation."""
+"""Tests for online_opd.opd.losses: hand-worked KL values, gradients, validation."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 
-from online_opd.losses import (
+from online_opd.opd.losses import (
     LOSSES,
     DraftOPDLoss,
     all_forward_loss,

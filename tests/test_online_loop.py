@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from online_opd.registry import DrafterRegistry
+from online_opd.release.registry import DrafterRegistry
 from serve.launcher import ServerProcess
 from serve.loadgen import LoadConfig, run_load
 from tests.serving import ROOT, TOKEN
@@ -73,7 +73,7 @@ def test_live_check_rolls_back_a_worse_drafter(trained_run, tmp_path):
     """The reloader loads a promoted random drafter, sees live acceptance fall and rolls back."""
     import torch
 
-    from online_opd.drafters.checkpoint import load_drafter
+    from online_opd.models.drafters.checkpoint import load_drafter
     from tests.serving import CONFIG as SERVE_CONFIG
 
     server = ServerProcess(tmp_path / "serve", SERVE_CONFIG, "--no-train", "-o", f"bootstrap.output_dir={trained_run}",

@@ -13,13 +13,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from online_opd.buffer import SegmentWriter
 from online_opd.config import OnlineOPDConfig, TrainerConfig
-from online_opd.gate import is_held_out, split_held_out
-from online_opd.records import BlockRecord
-from online_opd.registry import DrafterRegistry
-from online_opd.specdec import speculative_generate
-from online_opd.target_model import TargetModel
+from online_opd.models.target_model import TargetModel
+from online_opd.opd.specdec import speculative_generate
+from online_opd.release.gate import is_held_out, split_held_out
+from online_opd.release.registry import DrafterRegistry
+from online_opd.traces.buffer import SegmentWriter
+from online_opd.traces.records import BlockRecord
 from online_opd.train.loop import train
 from online_opd.train.online import OnlineTrainer
 from online_opd.train.sequences import TrainSequence, compute_aux_hidden

@@ -1,10 +1,10 @@
-"""Tests for online_opd.records: round trip, validation, capture fidelity."""
+"""Tests for online_opd.traces.records: round trip, validation, capture fidelity."""
 
 import json
 
 import pytest
 
-from online_opd.records import BlockRecord, SequenceRecord, check_fidelity
+from online_opd.traces.records import BlockRecord, SequenceRecord, check_fidelity
 
 
 def _record(blocks, tokens=(1, 2, 3, 10, 11, 12, 20, 21, 22, 23), temperature=0.0, events=()):

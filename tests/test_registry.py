@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from online_opd.drafters.checkpoint import WEIGHTS_FILE, load_drafter, save_drafter, verify_checkpoint
-from online_opd.registry import DrafterRegistry, RegistryError
+from online_opd.models.drafters.checkpoint import WEIGHTS_FILE, load_drafter, save_drafter, verify_checkpoint
+from online_opd.release.registry import DrafterRegistry, RegistryError
 from serve import drafters_cli
 from tests.tiny import tiny_drafter, tiny_target
 

@@ -1,13 +1,13 @@
-"""Tests for online_opd.replay: packed replay equals the per-block reference,
+"""Tests for online_opd.opd.replay: packed replay equals the per-block reference,
 target rows match the real sequence, gradients reach the drafter only."""
 
 import pytest
 import torch
 
-from online_opd.losses import draft_opd_loss
-from online_opd.records import BlockRecord
-from online_opd.replay import packed_block_mask, replay_sequence, replay_sequence_naive
-from online_opd.specdec import speculative_generate, target_generate
+from online_opd.opd.losses import draft_opd_loss
+from online_opd.opd.replay import packed_block_mask, replay_sequence, replay_sequence_naive
+from online_opd.opd.specdec import speculative_generate, target_generate
+from online_opd.traces.records import BlockRecord
 from tests.tiny import tiny_drafter, tiny_target
 
 K = 4

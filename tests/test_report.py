@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from online_opd.buffer import SegmentWriter
-from online_opd.records import BlockRecord, SequenceRecord
+from online_opd.traces.buffer import SegmentWriter
+from online_opd.traces.records import BlockRecord, SequenceRecord
 from serve import report as report_mod
 from serve import scrape as scrape_mod
 from serve.report import RecordPoint, buffer_series, load_scrapes, report, scrape_series
@@ -24,7 +24,7 @@ ROOT = Path(__file__).resolve().parents[1]
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 T0 = 1_700_000_000.0
 
-# Every series the dashboard may query: vLLM's and the ones online-opd exports (online_opd/metrics.py,
+# Every series the dashboard may query: vLLM's and the ones online-opd exports (vllm_patches/metrics.py,
 # the trainer, the gate).
 KNOWN_METRICS = {
     "vllm:spec_decode_num_accepted_tokens_total",

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import torch
 
-from online_opd.records import SequenceRecord, check_fidelity
-from online_opd.rollout import acceptance_length, greedy_blocks
-from online_opd.specdec import speculative_generate
+from online_opd.opd.rollout import acceptance_length, greedy_blocks
+from online_opd.opd.specdec import speculative_generate
+from online_opd.traces.records import SequenceRecord, check_fidelity
 from online_opd.train.sequences import TrainSequence
 from tests.tiny import tiny_drafter, tiny_target
 

@@ -21,11 +21,11 @@ import torch
 from openai import OpenAI
 from safetensors.torch import load_file, save_file
 
-from online_opd.buffer import BufferReader
-from online_opd.drafters.checkpoint import load_drafter, save_drafter
-from online_opd.records import check_fidelity
-from online_opd.rollout import propose_all
-from online_opd.target_model import TargetModel
+from online_opd.models.drafters.checkpoint import load_drafter, save_drafter
+from online_opd.models.target_model import TargetModel
+from online_opd.opd.rollout import propose_all
+from online_opd.traces.buffer import BufferReader
+from online_opd.traces.records import check_fidelity
 from online_opd.train.sequences import TrainSequence, load_sequences
 from tests.serving import Server, tau
 
@@ -130,7 +130,7 @@ def test_capture_fidelity_parity_and_lossless_output(server, rollouts, trained_r
 
 
 def _target_path():
-    from online_opd.target import ensure_embedded_target
+    from online_opd.models.target import ensure_embedded_target
 
     return ensure_embedded_target(progress=False)
 
@@ -168,7 +168,7 @@ def _corrupt_copies(src: Path, root: Path) -> dict[str, Path]:
             tensors[name] = torch.zeros(*[d + 1 for d in tensors[name].shape])
         save_file(tensors, folder / "model.safetensors")
         manifest = json.loads((folder / "manifest.json").read_text())
-        from online_opd.drafters.checkpoint import sha256_file
+        from online_opd.models.drafters.checkpoint import sha256_file
 
         manifest["files"]["model.safetensors"] = sha256_file(folder / "model.safetensors")
         (folder / "manifest.json").write_text(json.dumps(manifest))

@@ -15,12 +15,12 @@ from prometheus_client import CollectorRegistry, generate_latest
 from safetensors.torch import load_file, save_file
 
 from online_opd.config import load_config
-from online_opd.drafters.checkpoint import save_drafter, sha256_file
-from online_opd.metrics import PolledCollector, ServedAcceptance, TrainerCollector, version_number
+from online_opd.models.drafters.checkpoint import save_drafter, sha256_file
 from serve.server import engine_flags, vllm_argv
 from tests.tiny import tiny_drafter
 from vllm_patches import UnsupportedVLLMVersion, check_vllm_version
 from vllm_patches.capture import opted_out
+from vllm_patches.metrics import PolledCollector, ServedAcceptance, TrainerCollector, version_gauge
 from vllm_patches.worker_ext import ReloadError, read_checked_tensors
 
 
@@ -113,7 +113,7 @@ def test_served_acceptance_windows():
     served.update("v2", 400, 190)
     assert served.since_tau("v2", start) == (pytest.approx(2.0), 100)
     assert served.recent_tau("v3", 10) == (None, 0)
-    assert version_number("v0012") == 12.0
+    assert version_gauge("v0012") == 12.0
 
 
 def test_prometheus_series_from_status_and_trainer():

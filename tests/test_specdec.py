@@ -1,17 +1,17 @@
-"""Tests for online_opd.specdec: losslessness at T = 0, record fidelity, the
+"""Tests for online_opd.opd.specdec: losslessness at T = 0, record fidelity, the
 acceptance rules on hand-made distributions."""
 
 import pytest
 import torch
 
-from online_opd.records import check_fidelity
-from online_opd.specdec import (
+from online_opd.opd.specdec import (
     processed_probs,
     speculative_generate,
     target_generate,
     verify_greedy,
     verify_rejection,
 )
+from online_opd.traces.records import check_fidelity
 from tests.tiny import tiny_drafter, tiny_target
 
 K = 4

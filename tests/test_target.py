@@ -1,4 +1,4 @@
-"""Tests for online_opd.target: building, caching and verifying the embedded target.
+"""Tests for online_opd.models.target: building, caching and verifying the embedded target.
 
 The slow tests dequantise the real GGUF once per module (``gguf_pair``) and
 reuse it for every (re)build, so the module pays for one dequantisation.
@@ -16,8 +16,8 @@ from pathlib import Path
 
 import pytest
 
-from online_opd import target
-from online_opd.target import (
+from online_opd.models import target
+from online_opd.models.target import (
     EMBEDDED_MODEL_NAME,
     MARKER_FILENAME,
     EmbeddedModelMissing,

@@ -7,9 +7,9 @@ import json
 import torch
 
 from online_opd.config import TrainerConfig
-from online_opd.drafters.checkpoint import load_drafter, save_drafter
-from online_opd.records import SequenceRecord
-from online_opd.rollout import greedy_blocks
+from online_opd.models.drafters.checkpoint import load_drafter, save_drafter
+from online_opd.opd.rollout import greedy_blocks
+from online_opd.traces.records import SequenceRecord
 from online_opd.train.loop import train
 from online_opd.train.opd import opd_step_fn, read_records, write_records
 from online_opd.train.sequences import TrainSequence, compute_aux_hidden, load_sequences, save_sequences

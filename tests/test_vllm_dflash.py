@@ -19,7 +19,7 @@ def test_vllm_drafts_what_the_trainer_drafts(tmp_path):
     Every block vLLM drafts (recorded in the worker) equals our greedy block
     at the same anchor; anchors advance by accepted + 1; vLLM's accepted count
     equals the count predicted from those blocks; output stays the target's."""
-    from online_opd.target import ensure_embedded_target
+    from online_opd.models.target import ensure_embedded_target
 
     target = ensure_embedded_target()
     script = Path(__file__).parent / "helpers" / "vllm_parity_check.py"

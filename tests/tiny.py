@@ -5,8 +5,8 @@ from __future__ import annotations
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from online_opd.drafters.dflash import DFlashConfig, DFlashDrafter, init_weights
-from online_opd.target_model import TargetModel
+from online_opd.models.drafters.dflash import DFlashConfig, DFlashDrafter, init_weights
+from online_opd.models.target_model import TargetModel
 
 VOCAB = 64
 

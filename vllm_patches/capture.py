@@ -46,8 +46,8 @@ from typing import Any
 import torch
 from pydantic import BaseModel, ConfigDict
 
-from online_opd.buffer_writer import BufferWriter
-from online_opd.records import BlockRecord, SequenceRecord
+from online_opd.traces.records import BlockRecord, SequenceRecord
+from online_opd.traces.writer import BufferWriter
 
 logger = logging.getLogger("online_opd.capture")
 

@@ -1,6 +1,6 @@
 """``vllm.endpoint_plugins`` entry point: online-opd's HTTP surface in vLLM's API server.
 
-- ``/metrics`` gains the ``online_opd_*`` series (online_opd/metrics.py): capture
+- ``/metrics`` gains the ``online_opd_*`` series (vllm_patches/metrics.py): capture
   and buffer figures polled from the engine with ``collective_rpc`` every few
   seconds, reload counts and durations observed here.
 - ``POST /online-opd/v1/reload`` (admin) hot-loads a drafter checkpoint:
@@ -24,14 +24,14 @@ import os
 import time
 from argparse import Namespace
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from fastapi import APIRouter, Depends, HTTPException, Request
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict
 
-from online_opd.drafters.checkpoint import WEIGHTS_FILE, read_manifest
-from online_opd.metrics import (
+from online_opd.models.drafters.checkpoint import WEIGHTS_FILE, read_manifest
+from vllm_patches.metrics import (
     PolledCollector,
     ServedAcceptance,
     TrainerCollector,
@@ -44,13 +44,14 @@ logger = logging.getLogger("online_opd.endpoint")
 SERVE_ENV = "ONLINE_OPD_SERVE"
 ROUTE_PREFIX = "/online-opd/v1"
 
-#: Ray actor handle of the online trainer, set by `online-opd serve` in this process.
-_TRAINER: Any = None
+#: Reads the online trainer's stats (None while it cannot answer). `online-opd serve` installs it in
+#: this process; the hook layer never imports the serving layer, it is handed a plain callable.
+_TRAINER_STATS: Callable[[], dict | None] | None = None
 
 
-def set_trainer(handle: Any) -> None:
-    global _TRAINER
-    _TRAINER = handle
+def set_trainer_stats(read_stats: Callable[[], dict | None] | None) -> None:
+    global _TRAINER_STATS
+    _TRAINER_STATS = read_stats
 
 
 class EndpointSettings(BaseModel):
@@ -128,15 +129,13 @@ class OnlineOPDService:
             except Exception as exc:
                 self.metrics["poll_errors"].inc()
                 logger.warning("online-opd status poll failed: %s", exc)
-            if _TRAINER is not None:
-                from serve.trainer_actor import trainer_stats
-
-                self.trainer = await asyncio.to_thread(trainer_stats, _TRAINER, 5.0)
+            if _TRAINER_STATS is not None:
+                self.trainer = await asyncio.to_thread(_TRAINER_STATS)
             await asyncio.sleep(self.settings.stats_poll_s)
 
     # -- the reloader: follow the registry's current version, check it live, roll back ---------------
     async def _reload_forever(self) -> None:
-        from online_opd.registry import DrafterRegistry
+        from online_opd.release.registry import DrafterRegistry
 
         registry = DrafterRegistry(self.settings.registry_dir)
         while True:
@@ -245,7 +244,7 @@ class OnlineOPDEndpoints:
             if body.version is not None:
                 if not service.settings.registry_dir:
                     raise HTTPException(status_code=400, detail="no drafter registry configured")
-                from online_opd.registry import DrafterRegistry, RegistryError
+                from online_opd.release.registry import DrafterRegistry, RegistryError
 
                 try:
                     registry = DrafterRegistry(service.settings.registry_dir)

@@ -25,7 +25,7 @@ from typing import Any
 import torch
 from safetensors.torch import load_file
 
-from online_opd.drafters.checkpoint import (
+from online_opd.models.drafters.checkpoint import (
     CONFIG_FILE,
     WEIGHTS_FILE,
     CheckpointError,
@@ -33,7 +33,7 @@ from online_opd.drafters.checkpoint import (
     read_manifest,
     sha256_file,
 )
-from online_opd.drafters.registry import drafter_class_for_config
+from online_opd.models.drafters.registry import drafter_class_for_config
 
 logger = logging.getLogger("online_opd.reload")
 

@@ -66,15 +66,15 @@ from typing import Any
 
 import torch
 
-from online_opd.buffer import BufferReader, CorruptSegment
 from online_opd.config import OnlineOPDConfig
-from online_opd.drafters.checkpoint import load_drafter
-from online_opd.gate import evaluate_gate, is_held_out
-from online_opd.losses import LOSSES
-from online_opd.records import SequenceRecord, check_fidelity
-from online_opd.registry import DrafterRegistry
-from online_opd.replay import replay_sequence
-from online_opd.target_model import TargetModel
+from online_opd.models.drafters.checkpoint import load_drafter
+from online_opd.models.target_model import TargetModel
+from online_opd.opd.losses import LOSSES
+from online_opd.opd.replay import replay_sequence
+from online_opd.release.gate import evaluate_gate, is_held_out
+from online_opd.release.registry import DrafterRegistry
+from online_opd.traces.buffer import BufferReader, CorruptSegment
+from online_opd.traces.records import SequenceRecord, check_fidelity
 from online_opd.train.opd import objective_fn
 from online_opd.train.optim import build_optimizer
 from online_opd.train.state import STATE_FILE, load_state, save_state

@@ -16,9 +16,9 @@ from typing import Callable
 import torch
 
 from online_opd.config import TrainerConfig
-from online_opd.losses import get_loss
-from online_opd.records import SequenceRecord
-from online_opd.replay import replay_sequence
+from online_opd.opd.losses import get_loss
+from online_opd.opd.replay import replay_sequence
+from online_opd.traces.records import SequenceRecord
 
 RECORD_GLOB = "*.jsonl"
 

@@ -94,9 +94,9 @@ def build_drafter(method: str, target: str, target_model):
     from transformers import AutoConfig, AutoTokenizer
 
     from online_opd.config import DrafterConfig
-    from online_opd.drafters.dflash import init_weights
-    from online_opd.drafters.eagle3 import Eagle3Drafter
-    from online_opd.drafters.factory import new_drafter
+    from online_opd.models.drafters.dflash import init_weights
+    from online_opd.models.drafters.eagle3 import Eagle3Drafter
+    from online_opd.models.drafters.factory import new_drafter
 
     cfg = DrafterConfig(method=method, block_size=K, seed=0)
     if method == "dflash":
@@ -111,8 +111,8 @@ def build_drafter(method: str, target: str, target_model):
 def main(method: str, target: str, out_dir: str) -> None:
     from transformers import AutoTokenizer
 
-    from online_opd.drafters.checkpoint import load_drafter, save_drafter
-    from online_opd.target_model import TargetModel
+    from online_opd.models.drafters.checkpoint import load_drafter, save_drafter
+    from online_opd.models.target_model import TargetModel
     from serve.engine import chat_prompt_ids, generate, make_llm, shutdown, spec_counters
 
     out = Path(out_dir)

@@ -16,8 +16,8 @@ The loop:
 4. Accept r drafts (greedy match at T = 0, rejection sampling at T > 0),
    append them and one target-chosen token, record BlockRecord(a, d, r).
 
-What lives elsewhere: the drafter (online_opd/drafters), the target
-wrapper (online_opd/target_model.py), replay of records (replay.py).
+What lives elsewhere: the drafter (online_opd/models/drafters), the target
+wrapper (online_opd/models/target_model.py), replay of records (replay.py).
 """
 
 from __future__ import annotations
@@ -26,8 +26,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from online_opd.records import BlockRecord, SequenceRecord
-from online_opd.target_model import TargetModel
+from online_opd.models.target_model import TargetModel
+from online_opd.traces.records import BlockRecord, SequenceRecord
 
 
 @dataclass

@@ -38,8 +38,8 @@ from typing import Sequence
 
 import torch
 
-from online_opd.records import BlockRecord
-from online_opd.target_model import TargetModel
+from online_opd.models.target_model import TargetModel
+from online_opd.traces.records import BlockRecord
 
 
 @dataclass

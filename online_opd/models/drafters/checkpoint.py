@@ -21,7 +21,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-from online_opd.drafters.registry import drafter_class_for_config
+from online_opd.models.drafters.registry import drafter_class_for_config
 
 CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"

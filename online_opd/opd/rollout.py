@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from online_opd.records import BlockRecord
+from online_opd.traces.records import BlockRecord
 from online_opd.train.sequences import TrainSequence
 
 

@@ -10,12 +10,13 @@ metrics created by :func:`server_metrics`.
 
 from __future__ import annotations
 
-import re
 from typing import Any, Callable
 
 from prometheus_client import Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector, CollectorRegistry
+
+from online_opd.release.registry import version_number
 
 PREFIX = "online_opd"
 
@@ -30,10 +31,10 @@ CAPTURE_COUNTERS = {
 }
 
 
-def version_number(version: str | None) -> float:
-    """``v0012`` -> 12.0 (the last integer in the name); NaN when there is none."""
-    match = re.search(r"(\d+)(?!.*\d)", version or "")
-    return float(match.group(1)) if match else float("nan")
+def version_gauge(version: str | None) -> float:
+    """``v0012`` -> 12.0 for the version gauge; NaN for a name outside the registry's scheme."""
+    number = version_number(version or "")
+    return float("nan") if number is None else float(number)
 
 
 class PolledCollector(Collector):
@@ -60,7 +61,7 @@ class PolledCollector(Collector):
         version = status.get("version")
         family = GaugeMetricFamily(f"{PREFIX}_drafter_version",
                                    "Drafter version the engine serves (number in its name).")
-        family.add_metric([], version_number(version))
+        family.add_metric([], version_gauge(version))
         yield family
         info = GaugeMetricFamily(f"{PREFIX}_drafter_info", "Drafter version serving (label).",
                                  labels=["version"])

@@ -1,7 +1,7 @@
 """Delivery of captured records off the serving hot path: a bounded queue and one writer thread.
 
 ``BufferWriter.submit`` never blocks the engine: a full queue drops the record
-and counts it. The thread batches records into segments (online_opd/buffer.py's
+and counts it. The thread batches records into segments (online_opd/traces/buffer.py's
 ``SegmentWriter``: atomic, checksummed Parquet files) every ``flush_records``
 records or ``flush_interval_s`` seconds and applies retention after each write.
 """
@@ -15,8 +15,8 @@ import threading
 import time
 from typing import Any
 
-from online_opd.buffer import SegmentWriter
-from online_opd.records import SequenceRecord
+from online_opd.traces.buffer import SegmentWriter
+from online_opd.traces.records import SequenceRecord
 
 logger = logging.getLogger(__name__)
 

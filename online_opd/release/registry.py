@@ -36,7 +36,7 @@ from typing import Any
 
 from torch import nn
 
-from online_opd.drafters.checkpoint import (
+from online_opd.models.drafters.checkpoint import (
     CONFIG_FILE,
     MANIFEST_FILE,
     WEIGHTS_FILE,
@@ -407,7 +407,7 @@ class DrafterRegistry:
 
 
 def _method_from_config(config_file: Path) -> str | None:
-    from online_opd.drafters.registry import ARCHITECTURES
+    from online_opd.models.drafters.registry import ARCHITECTURES
 
     archs = json.loads(config_file.read_text()).get("architectures") or []
     return next((ARCHITECTURES[a] for a in archs if a in ARCHITECTURES), None)

@@ -17,8 +17,8 @@ Across a marked break (between the block whose anchor is ``anchor_before`` and
 the block after it) anchors must still strictly increase, but the next anchor
 need not be ``a + r + 1``.
 
-What lives elsewhere: capture (vllm_patches/), storage (online_opd/buffer),
-replay of records into training tensors (online_opd/replay.py).
+What lives elsewhere: capture (vllm_patches/), storage (online_opd/traces/buffer),
+replay of records into training tensors (online_opd/opd/replay.py).
 """
 
 from __future__ import annotations

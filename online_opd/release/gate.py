@@ -50,11 +50,11 @@ import torch.nn.functional as F
 from tqdm.auto import tqdm
 
 from online_opd.config import GateConfig
-from online_opd.records import SequenceRecord
-from online_opd.replay import packed_target_forward
-from online_opd.rollout import propose_all
-from online_opd.specdec import processed_probs
-from online_opd.target_model import TargetModel
+from online_opd.models.target_model import TargetModel
+from online_opd.opd.replay import packed_target_forward
+from online_opd.opd.rollout import propose_all
+from online_opd.opd.specdec import processed_probs
+from online_opd.traces.records import SequenceRecord
 from online_opd.train.sequences import TrainSequence
 
 DEFAULT_MAX_TOKENS = 4096  # context kept per record; bounds the packed forward's N x N mask

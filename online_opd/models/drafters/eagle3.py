@@ -58,8 +58,8 @@ from dataclasses import asdict, dataclass, field
 import torch
 from torch import nn
 
-from online_opd.drafters.dflash import init_weights
-from online_opd.drafters.layers import (
+from online_opd.models.drafters.dflash import init_weights
+from online_opd.models.drafters.layers import (
     GatedMLP,
     RMSNorm,
     SharedHeadDrafter,

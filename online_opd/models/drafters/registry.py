@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from torch import nn
 
-from online_opd.drafters.dflash import DFlashDrafter
-from online_opd.drafters.eagle3 import Eagle3Drafter
+from online_opd.models.drafters.dflash import DFlashDrafter
+from online_opd.models.drafters.eagle3 import Eagle3Drafter
 
 DRAFTERS: dict[str, type[nn.Module]] = {"dflash": DFlashDrafter, "eagle3": Eagle3Drafter}
 ARCHITECTURES: dict[str, str] = {"DFlashDraftModel": "dflash", "LlamaForCausalLMEagle3": "eagle3"}

@@ -6,9 +6,9 @@ import torch
 from torch import nn
 
 from online_opd.config import DrafterConfig
-from online_opd.drafters.checkpoint import load_drafter
-from online_opd.drafters.dflash import DFlashConfig, init_weights
-from online_opd.drafters.registry import drafter_class
+from online_opd.models.drafters.checkpoint import load_drafter
+from online_opd.models.drafters.dflash import DFlashConfig, init_weights
+from online_opd.models.drafters.registry import drafter_class
 
 
 def default_target_layer_ids(num_target_layers: int, num_features: int = 5) -> list[int]:

@@ -13,7 +13,7 @@ hidden states; bonus token plus mask tokens as queries).
 
 Embeddings and LM head are the target's, attached with `attach_target` and
 never saved. What lives elsewhere: checkpoint I/O (`checkpoint.py`),
-the target forward (`online_opd/target_model.py`).
+the target forward (`online_opd/models/target_model.py`).
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from online_opd.drafters.layers import (
+from online_opd.models.drafters.layers import (
     GatedMLP,
     RMSNorm,
     SharedHeadDrafter,

@@ -1,7 +1,7 @@
 """The trace buffer: durable, append-only Parquet segments of ``SequenceRecord``s.
 
 Serving replicas capture records (vllm_patches/) and hand them to a
-``BufferWriter`` (online_opd/buffer_writer.py), whose background thread batches them into segment files;
+``BufferWriter`` (online_opd/traces/writer.py), whose background thread batches them into segment files;
 the trainer tails the directory with a ``BufferReader`` (DESIGN.md "Buffer").
 
 Segment files. One Parquet file per batch, named
@@ -53,7 +53,7 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from online_opd.records import SequenceRecord
+from online_opd.traces.records import SequenceRecord
 
 logger = logging.getLogger(__name__)
 

@@ -1,0 +1,1 @@
+"""The algorithm: Draft-OPD losses, packed replay, reference speculative decoding, simulated rollouts."""

@@ -1,0 +1,1 @@
+"""Release control: the promotion gate and the versioned drafter registry."""
