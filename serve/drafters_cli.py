@@ -1,9 +1,11 @@
 """`online-opd drafters …`: inspect and steer the versioned drafter registry by hand.
 
 The server and trainer use `DrafterRegistry` directly; this command is for operators: list versions,
-show one, promote, roll back, mark bad, publish an existing checkpoint folder as a candidate. Results
-are JSON on stdout; errors are logged and exit with status 2. The registry folder is `--registry`,
-else $ONLINE_OPD_REGISTRY, else `runs/registry`.
+show one, promote, roll back, mark bad, publish an existing checkpoint folder as a candidate, check
+(repair a CURRENT that names a missing or bad version). Results are JSON on stdout; errors are logged and
+exit with status 2. The registry folder is `--registry`, else $ONLINE_OPD_REGISTRY, else the config's
+`serve.registry` (`-c FILE`; the built-in default is the server's, runs/serve/registry), and its
+retention (`serve.registry_keep_unpromoted`) comes from the same config.
 """
 
 from __future__ import annotations
@@ -14,11 +16,11 @@ import logging
 import os
 from pathlib import Path
 
+from online_opd.config import ConfigError, load_config
 from online_opd.release.registry import DrafterRegistry, RegistryError
 
 logger = logging.getLogger("online_opd")
 
-DEFAULT_REGISTRY = Path("runs/registry")
 REGISTRY_ENV = "ONLINE_OPD_REGISTRY"
 
 
@@ -30,7 +32,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     def action(name: str, help: str) -> argparse.ArgumentParser:
         p = actions.add_parser(name, help=help)
         p.add_argument("--registry", type=Path, default=None,
-                       help=f"registry folder (default: ${REGISTRY_ENV} or {DEFAULT_REGISTRY})")
+                       help=f"registry folder (default: ${REGISTRY_ENV}, else the config's serve.registry)")
+        p.add_argument("-c", "--config", type=Path, default=None,
+                       help="YAML config whose serve section names the registry (default: built-in defaults)")
         return p
 
     action("list", "all versions, oldest first, with status and which is current")
@@ -49,19 +53,23 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     p.add_argument("checkpoint_dir", type=Path)
     p.add_argument("--parent", default=None, help="registry version it was trained from")
     p.add_argument("--step", type=int, default=None, help="training step (default: from its manifest)")
+    action("check", "repair a CURRENT naming a missing, bad or corrupt version (the server does this at start)")
+    parser.set_defaults(func=run)
     return parser
 
 
-def registry_dir(args: argparse.Namespace) -> Path:
-    return args.registry or Path(os.environ.get(REGISTRY_ENV) or DEFAULT_REGISTRY)
+def open_registry(args: argparse.Namespace) -> DrafterRegistry:
+    """The registry `--registry` / $ONLINE_OPD_REGISTRY / the config names, with the config's retention."""
+    serve = load_config(args.config).serve
+    root = args.registry or (Path(os.environ[REGISTRY_ENV]) if os.environ.get(REGISTRY_ENV) else serve.registry)
+    return DrafterRegistry(root, keep_unpromoted=serve.registry_keep_unpromoted)
 
 
 def run(args: argparse.Namespace) -> int:
     """Run one `drafters` action; 0 with JSON on stdout, or 2 with the error logged."""
-    registry = DrafterRegistry(registry_dir(args))
     try:
-        result = _dispatch(registry, args)
-    except RegistryError as exc:
+        result = _dispatch(open_registry(args), args)
+    except (RegistryError, ConfigError) as exc:
         logger.error("%s", exc)
         return 2
     print(json.dumps(result, indent=2, default=str))
@@ -89,4 +97,8 @@ def _dispatch(registry: DrafterRegistry, args: argparse.Namespace) -> dict:
         return registry.mark_bad(args.version, args.reason).to_dict()
     if command == "publish":
         return registry.publish(args.checkpoint_dir, parent=args.parent, step=args.step).to_dict()
+    if command == "check":
+        repair = registry.check()
+        current = registry.current()
+        return {"registry": str(registry.root), "repaired": repair, "current": current.version if current else None}
     raise RegistryError(f"unknown drafters action {command!r}")

@@ -12,6 +12,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Sequence
 
+from online_opd.traces import records
+
 logger = logging.getLogger(__name__)
 
 SPEC_COUNTERS = {
@@ -39,8 +41,9 @@ class SpecCounters:
 
     @property
     def acceptance_length(self) -> float:
-        """tau = 1 + accepted / drafts: tokens gained per target forward."""
-        return 1.0 + self.num_accepted_tokens / max(self.num_drafts, 1)
+        """tau (``records.acceptance_length``); 1.0 without drafts: one token per target forward."""
+        tau = records.acceptance_length(self.num_accepted_tokens, self.num_drafts)
+        return 1.0 if tau is None else tau
 
     def __sub__(self, other: "SpecCounters") -> "SpecCounters":
         per_pos = [a - (other.accepted_per_pos[i] if i < len(other.accepted_per_pos) else 0)

@@ -42,11 +42,12 @@ def _run_levels(llm, prompt_ids, cfg: OnlineOPDConfig, progress: bool) -> tuple[
 def evaluate(cfg: OnlineOPDConfig, drafter: Path, *, progress: bool = True) -> dict:
     """Served tau and tokens/s of `drafter`, with a no-speculation baseline."""
     from online_opd.models.drafters.checkpoint import read_manifest, verify_checkpoint
+    from online_opd.models.drafters.registry import block_size_for_config, method_for_config
 
     verify_checkpoint(drafter)
     hf_config = json.loads((drafter / "config.json").read_text())
-    method = (hf_config.get("online_opd") or {}).get("method", "dflash")
-    num_spec = cfg.eval.num_speculative_tokens or int(hf_config.get("block_size") or cfg.drafter.block_size)
+    method = method_for_config(hf_config)
+    num_spec = cfg.eval.num_speculative_tokens or block_size_for_config(hf_config)
     target = resolve_target(cfg, progress=progress)
     prompts = load_prompts(cfg.eval.prompts, num_prompts=cfg.eval.num_prompts, split=cfg.eval.split,
                            held_out_fraction=cfg.data.held_out_fraction, seed=cfg.data.seed)

@@ -16,7 +16,9 @@ import time
 from pathlib import Path
 
 import httpx
-from prometheus_client.parser import text_string_to_metric_families
+
+from online_opd.traces.records import acceptance_length
+from serve.scrape import parse_metrics
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -77,16 +79,8 @@ class ServerProcess:
         return self.proc.returncode
 
     def metrics(self) -> dict[str, float]:
-        """Samples of /metrics as {name{labels}: value} (labels sorted, engine/model_name dropped)."""
-        text = httpx.get(f"{self.url}/metrics", timeout=10).text
-        out: dict[str, float] = {}
-        for family in text_string_to_metric_families(text):
-            for s in family.samples:
-                labels = {k: v for k, v in s.labels.items() if k not in ("engine", "model_name")}
-                key = s.name + ("{" + ",".join(f"{k}={v}" for k, v in sorted(labels.items())) + "}"
-                                if labels else "")
-                out[key] = out.get(key, 0.0) + s.value
-        return out
+        """Samples of /metrics as {name{labels}: value}, flattened by ``scrape.parse_metrics``."""
+        return parse_metrics(httpx.get(f"{self.url}/metrics", timeout=10).text)
 
     def admin(self, method: str, path: str, **kwargs) -> httpx.Response:
         return httpx.request(method, f"{self.url}/online-opd/v1{path}", timeout=120,
@@ -98,4 +92,5 @@ def tau(before: dict[str, float], after: dict[str, float]) -> tuple[float, int]:
     drafts = after["vllm:spec_decode_num_drafts_total"] - before["vllm:spec_decode_num_drafts_total"]
     accepted = (after["vllm:spec_decode_num_accepted_tokens_total"]
                 - before["vllm:spec_decode_num_accepted_tokens_total"])
-    return 1.0 + accepted / max(drafts, 1), int(drafts)
+    served = acceptance_length(accepted, drafts)
+    return (1.0 if served is None else served), int(drafts)

@@ -41,6 +41,7 @@ import math
 import os
 import random
 import signal
+import statistics
 import sys
 import time
 from collections import Counter
@@ -202,15 +203,15 @@ def completion_text(prompt: Prompt) -> str:
     return text
 
 
-def _percentile(values: Sequence[float], q: float) -> float | None:
-    """Linear-interpolation percentile (numpy's default); None for no values."""
-    if not values:
-        return None
-    ordered = sorted(values)
-    position = (len(ordered) - 1) * q / 100
-    low = math.floor(position)
-    high = min(low + 1, len(ordered) - 1)
-    return ordered[low] + (ordered[high] - ordered[low]) * (position - low)
+def _percentile(values: Sequence[float], q: int) -> float | None:
+    """The ``q``-th percentile (integer q in 1..99); None for no values.
+
+    ``method="inclusive"`` interpolates linearly between the order statistics
+    at (n - 1) * q / 100, as numpy's default does.
+    """
+    if len(values) < 2:  # statistics.quantiles needs two points before Python 3.13
+        return values[0] if values else None
+    return statistics.quantiles(values, n=100, method="inclusive")[q - 1]
 
 
 def summarize(results: Sequence[RequestResult], wall_s: float, *, stream: bool) -> dict[str, Any]:
@@ -531,6 +532,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
                       help="stop issuing after this many seconds (in-flight requests finish); with "
                            "--num-requests, whichever comes first; with neither, each prompt once")
     load.add_argument("--out", type=Path, default=None, help="write one JSON line per request here")
+    p.set_defaults(func=run)
     return p
 
 

@@ -16,11 +16,12 @@ import torch
 
 from online_opd.config import OnlineOPDConfig
 from online_opd.models.drafters.checkpoint import read_manifest, save_drafter
-from online_opd.opd.rollout import acceptance_length, greedy_blocks
+from online_opd.opd.rollout import greedy_blocks, pooled_acceptance_length
 from online_opd.traces.records import SequenceRecord
 from online_opd.train.loop import train
 from online_opd.train.opd import opd_step_fn, read_records, write_records
 from serve.pipeline import load_serving_drafter, prepare_sequences, resolve_target
+from serve.signals import stop_on_signals
 
 logger = logging.getLogger(__name__)
 
@@ -41,7 +42,7 @@ def record_rollouts(cfg: OnlineOPDConfig, drafter_path: Path, out: Path, *, prog
     write_records(out / "records-00000.jsonl", records)
     return {"records": str(out), "num_records": len(records),
             "num_blocks": sum(len(b) for b in per_seq),
-            "simulated_acceptance_length": round(acceptance_length(per_seq), 4)}
+            "simulated_acceptance_length": round(pooled_acceptance_length(per_seq), 4)}
 
 
 def train_on_records(cfg: OnlineOPDConfig, records_dir: Path, init: Path | None, run_dir: Path,
@@ -57,9 +58,11 @@ def train_on_records(cfg: OnlineOPDConfig, records_dir: Path, init: Path | None,
     drafter, target_model = load_serving_drafter(init, target)
     if cfg.trainer.num_threads:
         torch.set_num_threads(cfg.trainer.num_threads)
-    step_fn = opd_step_fn(target_model, drafter, records, cfg.trainer)
-    last = train(step_fn, drafter, cfg.trainer, run_dir, progress=progress,
-                 desc=f"train ({cfg.trainer.objective})")
+    generator = torch.Generator().manual_seed(cfg.trainer.seed)
+    step_fn = opd_step_fn(target_model, drafter, records, cfg.trainer, generator=generator)
+    with stop_on_signals() as stop:
+        last = train(step_fn, drafter, cfg.trainer, run_dir, progress=progress,
+                     desc=f"train ({cfg.trainer.objective})", generator=generator, stop=stop)
     parent = read_manifest(init).get("version")
     return save_drafter(drafter, run_dir / "drafter", parent_version=parent, step=last,
                         metrics={"objective": cfg.trainer.objective, "num_records": len(records)})

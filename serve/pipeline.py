@@ -30,6 +30,7 @@ from online_opd.train.sequences import (
 )
 from online_opd.train.sft import sample_anchors, sft_loss
 from serve import engine
+from serve.signals import stop_on_signals
 
 logger = logging.getLogger(__name__)
 
@@ -121,7 +122,9 @@ def bootstrap(cfg: OnlineOPDConfig, run_dir: Path, *, progress: bool = True) -> 
         mean = {k: sum(s[k] for s in stats) / len(stats) for k in stats[0]}
         return torch.stack(losses).mean(), mean
 
-    last = train(step_fn, drafter, tcfg, run_dir, progress=progress, desc="bootstrap (SFT)")
+    with stop_on_signals() as stop:
+        last = train(step_fn, drafter, tcfg, run_dir, progress=progress, desc="bootstrap (SFT)",
+                     generator=gen, stop=stop)
     return save_drafter(drafter, run_dir / "drafter", step=last,
                         metrics={"objective": "sft", "num_sequences": len(sequences)})
 

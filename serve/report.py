@@ -36,6 +36,7 @@ from pathlib import Path
 from typing import Any
 
 from online_opd.release.registry import version_number
+from online_opd.traces.records import acceptance_length, pure_blocks_by_version
 
 __all__ = ["ACCEPTED", "DRAFTS", "TRAINER_STEPS", "VERSION_GAUGE", "RecordPoint", "ReportError",
            "add_parser", "buffer_series", "buffer_summary", "load_records", "load_scrapes", "report",
@@ -65,21 +66,23 @@ class RecordPoint:
 
     @property
     def tau(self) -> float | None:
-        return 1 + self.accepted / self.blocks if self.blocks else None
+        return acceptance_length(self.accepted, self.blocks)
 
 
 # ---------------------------------------------------------------- buffer
 
 
 def load_records(buffer: Path) -> tuple[list[RecordPoint], int]:
-    """Every record of the buffer as a ``RecordPoint``, and the number of corrupt segments skipped."""
+    """Every record of the buffer as ``RecordPoint``s, one per version that drafted pure blocks in it
+    (records.py "Drafter versions"), and the number of corrupt segments skipped."""
     from online_opd.traces.buffer import BufferReader
 
     if not Path(buffer).is_dir():
         raise ReportError(f"buffer {buffer} is not a directory")
     reader = BufferReader(buffer)
-    points = [RecordPoint(r.captured_at, r.drafter_version, len(r.blocks),
-                          sum(b.num_accepted for b in r.blocks)) for r in reader.iter_records()]
+    points = [RecordPoint(r.captured_at, version, len(blocks), sum(b.num_accepted for b in blocks))
+              for r in reader.iter_records()
+              for version, blocks in (pure_blocks_by_version(r) or {r.drafter_version: []}).items()]
     return points, len(reader.corrupt)
 
 
@@ -120,12 +123,12 @@ def buffer_summary(points: list[RecordPoint]) -> dict[str, Any]:
             s["last_captured_at"] = p.time if s["last_captured_at"] is None else max(s["last_captured_at"],
                                                                                       p.time)
     for s in versions.values():
-        s["tau"] = 1 + s["accepted_tokens"] / s["blocks"] if s["blocks"] else None
+        s["tau"] = acceptance_length(s["accepted_tokens"], s["blocks"])
     blocks = sum(p.blocks for p in points)
     return {
         "records": len(points),
         "blocks": blocks,
-        "tau": 1 + sum(p.accepted for p in points) / blocks if blocks else None,
+        "tau": acceptance_length(sum(p.accepted for p in points), blocks),
         "records_without_time": sum(1 for p in points if p.time <= 0),
         "time_span": _span([p.time for p in points if p.time > 0]),
         "drafter_versions": versions,
@@ -157,7 +160,7 @@ def buffer_series(points: list[RecordPoint], window_s: float) -> dict[str, list[
         for i in _thin(len(pts)):
             hi = bisect_right(times, times[i])  # every record at this same instant is in the window
             lo = bisect_right(times, times[i] - window_s)
-            series.append((times[i], 1 + (cum_acc[hi] - cum_acc[lo]) / (cum_blocks[hi] - cum_blocks[lo])))
+            series.append((times[i], acceptance_length(cum_acc[hi] - cum_acc[lo], cum_blocks[hi] - cum_blocks[lo])))
         out[version] = series
     return out
 
@@ -241,7 +244,7 @@ def scrape_series(scrapes: list[dict[str, Any]]) -> dict[str, Any]:
             continue
         if d_drafts == 0:
             continue  # idle: no drafts, no tau
-        tau.append((after["time"], 1 + d_acc / d_drafts, d_drafts))
+        tau.append((after["time"], acceptance_length(d_acc, d_drafts), d_drafts))
         total_drafts += d_drafts
         total_acc += d_acc
         v0, v1 = _value(m0, VERSION_GAUGE), _value(m1, VERSION_GAUGE)
@@ -261,13 +264,13 @@ def scrape_series(scrapes: list[dict[str, Any]]) -> dict[str, Any]:
     steps = [(s["time"], v) for s in scrapes if (v := _value(s["metrics"], TRAINER_STEPS)) is not None]
     return {
         "tau": tau,
-        "tau_total": 1 + total_acc / total_drafts if total_drafts else None,
+        "tau_total": acceptance_length(total_acc, total_drafts),
         "drafts": total_drafts,
         "counter_resets": resets,
         "first_version": next((v for s in scrapes if (v := _value(s["metrics"], VERSION_GAUGE)) is not None),
                               None),
         "version_changes": changes,
-        "by_version": {v: {**s, "tau": 1 + s["accepted_tokens"] / s["drafts"]}
+        "by_version": {v: {**s, "tau": acceptance_length(s["accepted_tokens"], s["drafts"])}
                        for v, s in sorted(by_version.items())},
         "trainer_steps": steps,
     }
@@ -463,6 +466,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--window-s", type=float, default=60.0,
                    help="rolling window of the buffer curve, seconds (default: %(default)s)")
     p.add_argument("--json", action="store_true", help="also print the plotted series in the JSON")
+    p.set_defaults(func=run)
     return p
 
 

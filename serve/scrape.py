@@ -7,10 +7,10 @@ trainer steps). Each line of the output file is one scrape::
 
     {"time": 1700000000.12, "metrics": {"vllm:spec_decode_num_drafts_total": 1234.0, ...}}
 
-flattened exactly like ``serve.launcher.ServerProcess.metrics`` (one key per
-sample, ``name{label=value,...}`` with labels sorted, the per-engine
-``engine``/``model_name`` labels dropped and samples that then collide summed),
-so the tests' and the report's view of a scrape is the same. Non-finite values
+flattened by ``parse_metrics`` (one key per sample, ``name{label=value,...}``
+with labels sorted, the per-engine ``engine``/``model_name`` labels dropped and
+samples that then collide summed), which ``serve.launcher.ServerProcess.metrics``
+also uses, so the tests' and the report's view of a scrape is the same. Non-finite values
 (a drafter version without a number is NaN) are written as ``null`` to keep
 every line strict JSON for ``jq``.
 
@@ -25,12 +25,13 @@ import argparse
 import json
 import logging
 import math
-import signal
 import sys
 import threading
 import time
 from pathlib import Path
 from typing import Any
+
+from serve.signals import stop_on_signals
 
 __all__ = ["DROPPED_LABELS", "add_parser", "parse_metrics", "run", "scrape", "scrape_loop"]
 
@@ -119,6 +120,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--out", type=Path, required=True, help="JSONL file to append to")
     p.add_argument("--interval", type=float, default=5.0, help="seconds between scrapes (default: %(default)s)")
     p.add_argument("--duration", type=float, default=None, help="stop after this many seconds (default: never)")
+    p.set_defaults(func=run)
     return p
 
 
@@ -127,15 +129,7 @@ def run(args: argparse.Namespace) -> int:
     if args.interval <= 0:
         print(f"online-opd scrape: --interval must be positive, got {args.interval}", file=sys.stderr)
         return 2
-    stop = threading.Event()
-    previous: dict[int, Any] = {}
-    if threading.current_thread() is threading.main_thread():  # signal handlers: main thread only
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            previous[sig] = signal.signal(sig, lambda *_: stop.set())
-    try:
+    with stop_on_signals() as stop:
         summary = scrape_loop(args.url, args.out, args.interval, stop=stop, duration_s=args.duration)
-    finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
     print(json.dumps(summary, indent=2))
     return 0

@@ -7,7 +7,12 @@ warm-started from the target, published as the registry's first version),
 then runs ``vllm serve`` in this process with:
 
 - ``--speculative-config`` for the drafter and ``--worker-extension-cls`` for
-  hot reload (vllm_patches/worker_ext.py);
+  hot reload (vllm_patches/worker_ext.py); ``serve.speculation`` (``--speculation``)
+  chooses how much to speculate: ``auto`` (default) starts from a conservative
+  K-per-batch-size schedule that the policy loop changes at runtime from
+  measured step costs and acceptance (``ONLINE_OPD_SPECULATION`` turns on the
+  engine-core control, vllm_patches/speculation.py); ``always`` drafts
+  ``num_speculative_tokens`` at every step; ``never`` serves without a drafter;
 - ``VLLM_PLUGINS`` naming the capture plugin and the endpoint plugin (admin
   reload route, ``online_opd_*`` series on ``/metrics``);
 - ``ONLINE_OPD_CAPTURE`` / ``ONLINE_OPD_SERVE``: JSON settings for them.
@@ -56,7 +61,8 @@ def resolve_drafter(cfg: OnlineOPDConfig, target: Path, explicit: Path | None, *
 
     if explicit is not None:
         return explicit.resolve()
-    registry = DrafterRegistry(cfg.serve.registry)
+    registry = DrafterRegistry(cfg.serve.registry, keep_unpromoted=cfg.serve.registry_keep_unpromoted)
+    registry.check()  # CURRENT on a missing, bad or corrupt version goes back to the last good one (logged)
     current = registry.current()
     if current is not None:
         logger.info("serving registry version %s (%s)", current.version, current.path)
@@ -84,14 +90,48 @@ def resolve_drafter(cfg: OnlineOPDConfig, target: Path, explicit: Path | None, *
     return registry.path(info.version).resolve()
 
 
-def vllm_argv(cfg: OnlineOPDConfig, target: Path, drafter: Path, passthrough: list[str]) -> list[str]:
+def speculative_config(cfg: OnlineOPDConfig, drafter: Path) -> dict | None:
+    """vLLM's ``--speculative-config`` for ``serve.speculation`` (None for ``never``).
+
+    K (the most a step drafts) is ``serve.num_speculative_tokens``, else the drafter's block
+    size. ``auto`` adds a starting ``num_speculative_tokens_per_batch_size`` (the engine's
+    schedule lookup must exist to be swapped at runtime): the policy's conservative schedule.
+    """
+    from online_opd.models.drafters.registry import block_size_for_config, method_for_config
+
+    if cfg.serve.speculation == "never":
+        return None
     hf_config = json.loads((drafter / "config.json").read_text())
-    method = "eagle3" if "LlamaForCausalLMEagle3" in (hf_config.get("architectures") or []) else "dflash"
-    num_spec = cfg.eval.num_speculative_tokens or int(hf_config.get("block_size") or cfg.drafter.block_size)
-    spec = {"method": method, "model": str(drafter), "num_speculative_tokens": num_spec}
+    num_spec = cfg.serve.num_speculative_tokens or block_size_for_config(hf_config)
+    spec = {"method": method_for_config(hf_config), "model": str(drafter), "num_speculative_tokens": num_spec}
+    if cfg.serve.speculation == "auto":
+        spec["num_speculative_tokens_per_batch_size"] = starting_schedule(cfg, drafter, num_spec)
+    return spec
+
+
+def starting_schedule(cfg: OnlineOPDConfig, drafter: Path, max_k: int) -> list[list[int]]:
+    """The conservative schedule (no step cost measured yet): K = 0 above batch size 1, and at
+    batch size 1 the prior's K for the drafter's manifest acceptance (0 when none is known)."""
+    from online_opd.models.drafters.checkpoint import read_manifest
+    from online_opd.speculation.acceptance import AcceptanceCounts, estimate_acceptance
+    from online_opd.speculation.policy import decide
+
+    acceptance, source = estimate_acceptance(AcceptanceCounts(), read_manifest(drafter), max_k=max_k,
+                                             min_drafts=cfg.serve.policy_min_drafts)
+    decision = decide(None, acceptance, max_k=max_k, max_batch_size=2, margin=cfg.serve.policy_margin)
+    logger.info("speculation auto: starting schedule %s (conservative: no step cost measured yet; b=1 from "
+                "the prior cost ratio and acceptance %s, %s)", decision.schedule,
+                [round(a, 3) for a in acceptance], source)
+    return [list(r) for r in decision.schedule]  # vLLM carries the last range's K to max_num_seqs
+
+
+def vllm_argv(cfg: OnlineOPDConfig, target: Path, drafter: Path, passthrough: list[str]) -> list[str]:
+    """`vllm serve` arguments (``speculative_config`` for the drafter and K)."""
+    spec = speculative_config(cfg, drafter)
     argv = ["serve", str(target), "--host", cfg.serve.host, "--port", str(cfg.serve.port),
             "--dtype", cfg.model.dtype, "--max-model-len", str(cfg.model.max_model_len),
-            "--speculative-config", json.dumps(spec), "--worker-extension-cls", WORKER_EXTENSION]
+            *(["--speculative-config", json.dumps(spec)] if spec is not None else []),
+            "--worker-extension-cls", WORKER_EXTENSION]
     if not any(a == "--served-model-name" or a.startswith("--served-model-name=") for a in passthrough):
         argv += ["--served-model-name", _model_name(cfg, target)]
     engine = {"enforce_eager": True, **cfg.engine}  # CPU: torch.compile start-up costs minutes
@@ -106,9 +146,11 @@ def serve_env(cfg: OnlineOPDConfig, target: Path, drafter: Path, *, capture: boo
               follow_registry: bool = True) -> dict[str, str]:
     """Environment for vLLM's processes: plugin allowlist and online-opd settings."""
     from online_opd.models.drafters.checkpoint import read_manifest
-    from vllm_patches import CAPTURE_ENV
+    from vllm_patches import CAPTURE_ENV, SPECULATION_ENV
     from vllm_patches.capture import CaptureSettings
     from vllm_patches.endpoint import SERVE_ENV, EndpointSettings
+    from vllm_patches.speculation import SpeculationSettings
+    from vllm_patches.speculation_loop import PolicySettings
 
     env: dict[str, str] = {}
     existing = [p for p in os.environ.get("VLLM_PLUGINS", "").split(",") if p]
@@ -119,8 +161,15 @@ def serve_env(cfg: OnlineOPDConfig, target: Path, drafter: Path, *, capture: boo
         admin_token_env=sc.admin_token_env, stats_poll_s=sc.stats_poll_s,
         registry_dir=str(sc.registry.resolve()), auto_reload=sc.auto_reload and follow_registry,
         reload_poll_s=sc.reload_poll_s,
-        live_check_drafts=sc.live_check_drafts, live_check_timeout_s=sc.live_check_timeout_s,
-        rollback_tolerance=sc.rollback_tolerance).model_dump_json()
+        live_check_drafts=sc.live_check_drafts, live_check_min_windows=sc.live_check_min_windows,
+        live_check_alpha=sc.live_check_alpha, live_check_timeout_s=sc.live_check_timeout_s,
+        rollback_tolerance=sc.rollback_tolerance,
+        policy=PolicySettings(interval_s=sc.policy_interval_s, margin=sc.policy_margin,
+                              min_drafts=sc.policy_min_drafts) if sc.speculation == "auto" else None,
+    ).model_dump_json()
+    if sc.speculation == "auto":
+        env[SPECULATION_ENV] = SpeculationSettings(explore_share=sc.policy_explore_share,
+                                                   explore_steps=sc.policy_explore_steps).to_env()
     c = cfg.capture
     if capture and c.enabled:
         env[CAPTURE_ENV] = CaptureSettings(
@@ -132,18 +181,20 @@ def serve_env(cfg: OnlineOPDConfig, target: Path, drafter: Path, *, capture: boo
 
 
 def start_online_trainer(cfg: OnlineOPDConfig, target: Path):
-    """Start the Ray trainer actor beside the server; returns the function that stops it (state saved),
+    """Start the trainer in its own supervised process (serve/trainer_process.py: Ray's driver lives
+    there, so losing Ray never ends the server); returns the function that stops it (state saved),
     also registered to run at exit."""
     import atexit
 
-    from serve.trainer_actor import start_trainer, stop_trainer, trainer_stats
+    from serve.trainer_process import TrainerProcess, TrainerSpec
     from vllm_patches.endpoint import set_trainer_stats
 
-    handle = start_trainer(cfg, target_path=target, buffer_dir=cfg.capture.buffer_dir.resolve(),
-                           registry_dir=cfg.serve.registry.resolve(),
-                           state_dir=cfg.online.resolved_state_dir(cfg.serve.run_dir).resolve())
-    set_trainer_stats(lambda: trainer_stats(handle, timeout=5.0))
-
+    trainer = TrainerProcess(TrainerSpec(
+        config=cfg.model_dump(mode="json"), target_path=str(target),
+        buffer_dir=str(cfg.capture.buffer_dir.resolve()), registry_dir=str(cfg.serve.registry.resolve()),
+        state_dir=str(cfg.online.resolved_state_dir(cfg.serve.run_dir).resolve())))
+    trainer.start()
+    set_trainer_stats(trainer.stats)
     stopped = []
 
     def _stop() -> None:
@@ -151,12 +202,8 @@ def start_online_trainer(cfg: OnlineOPDConfig, target: Path):
             return
         stopped.append(True)
         logger.info("stopping the online trainer (saving its state)")
-        stats = stop_trainer(handle)
-        if stats:
-            logger.info("online trainer stopped after %s steps", stats.get("steps"))
-        import ray
-
-        ray.shutdown()
+        stats = trainer.stop()
+        logger.info("online trainer stopped after %s steps", stats.get("steps"))
 
     atexit.register(_stop)
     return _stop

@@ -1,4 +1,4 @@
-"""The online trainer as a Ray actor (DESIGN.md: "Ray trainer actor").
+"""The online trainer as a Ray actor (docs/architecture.md#data-flow: buffer -> trainer).
 
 ``start_trainer`` joins (or starts) Ray and creates one named actor wrapping
 ``online_opd.train.online.OnlineTrainer``; the actor trains in a background
@@ -13,6 +13,8 @@ restarts a dead actor (``online.max_restarts``) it trains again by itself,
 resuming from its state directory. An exception that escapes the trainer's
 own loop (which already survives failing steps) ends the process, so that
 Ray restarts it rather than leaving an actor that answers but never trains.
+`online-opd serve` calls this from a child process (serve/trainer_process.py), so
+that Ray ending its driver when the head is lost never ends the server.
 
 The config crosses the process boundary as ``cfg.model_dump(mode="json")``
 and is validated again inside the actor.
@@ -37,6 +39,9 @@ logger = logging.getLogger("online_opd.trainer_actor")
 
 ACTOR_NAME = "online-opd-trainer"
 LOCAL_OBJECT_STORE_BYTES = 200 * 1024**2  # the trainer passes no large objects through Ray
+#: A local head that stops answering is gone (nothing restarts it): its driver ends after this many seconds
+#: instead of Ray's default 60, so serve/trainer_process.py starts a fresh one sooner.
+LOCAL_GCS_RECONNECT_S = 10
 
 
 class TrainerActor:
@@ -96,7 +101,8 @@ def start_trainer(cfg: OnlineOPDConfig, *, target_path: Path, buffer_dir: Path, 
         kwargs: dict[str, Any] = {}
         if ocfg.ray_address is None:  # a local node sized to the trainer, not to the machine
             kwargs = {"num_cpus": max(1, math.ceil(ocfg.num_cpus)), "num_gpus": math.ceil(ocfg.num_gpus),
-                      "object_store_memory": LOCAL_OBJECT_STORE_BYTES}
+                      "object_store_memory": LOCAL_OBJECT_STORE_BYTES,
+                      "_system_config": {"gcs_rpc_server_reconnect_timeout_s": LOCAL_GCS_RECONNECT_S}}
         ray.init(address=ocfg.ray_address, ignore_reinit_error=True, include_dashboard=False,
                  logging_level=logging.WARNING, **kwargs)
     actor_cls = ray.remote(num_cpus=ocfg.num_cpus, num_gpus=ocfg.num_gpus, max_restarts=ocfg.max_restarts,

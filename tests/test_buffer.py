@@ -5,6 +5,7 @@ thread, tailing, figures, and the `buffer` CLI."""
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import hashlib
 import json
 import logging
@@ -17,6 +18,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from online_opd.traces.buffer import (
+    SEGMENT_SCHEMA,
     BufferReader,
     CorruptSegment,
     SegmentWriter,
@@ -65,6 +67,9 @@ def rename_to_ms(path: Path, created_ms: int) -> Path:
 def test_round_trip_gives_back_equal_records(tmp_path):
     records = [make_record(i, blocks=((4, 2), (4, 4), (4, 0))) for i in range(3)]
     records.append(SequenceRecord("empty", "m", "v0", 0.0, 1.0, 0, (), 0, ()))  # no tokens, no blocks
+    plain = make_record(3, blocks=((4, 2), (2, 1)))  # a 2-token block with num_plain_steps set round-trips
+    records.append(dataclasses.replace(plain, blocks=(plain.blocks[0],
+                                                      dataclasses.replace(plain.blocks[1], num_plain_steps=3))))
     path = SegmentWriter(tmp_path, writer_id="w").write(records)
     info = BufferReader(tmp_path).segments()[0]
     assert info.path == path and BufferReader(tmp_path).read_segment(info) == records
@@ -72,6 +77,34 @@ def test_round_trip_gives_back_equal_records(tmp_path):
     assert schema.field("tokens").type == pa.list_(pa.int32())
     assert schema.field("blocks").type.value_type.field("num_accepted").type == pa.int16()
     assert schema.field("events").type == pa.string()
+
+
+def test_segments_written_before_block_versions_still_read(tmp_path):
+    """A segment whose block struct lacks drafter_version / is_context_pure reads them as the defaults."""
+    record = make_record(0, blocks=((4, 2), (4, 4)))
+    old_block = pa.struct([("anchor", pa.int32()), ("draft_tokens", pa.list_(pa.int32())),
+                           ("num_accepted", pa.int16())])
+    fields = [pa.field("blocks", pa.list_(old_block)) if f.name == "blocks" else f for f in SEGMENT_SCHEMA]
+    row = record.to_dict()
+    row["blocks"] = [{k: b[k] for k in ("anchor", "draft_tokens", "num_accepted")} for b in row["blocks"]]
+    row["events"] = json.dumps(row["events"])
+    sink = pa.BufferOutputStream()
+    pq.write_table(pa.Table.from_pylist([row], schema=pa.schema(fields)), sink)
+    data = sink.getvalue().to_pybytes()
+    (tmp_path / segment_name(1, "old", 0, hashlib.sha256(data).hexdigest())).write_bytes(data)
+    assert list(BufferReader(tmp_path).iter_records()) == [record]
+
+
+def test_stats_count_each_version_s_pure_blocks(tmp_path):
+    base = make_record(0, "v1", ((4, 2), (4, 4), (4, 0)))
+    b0, b1, b2 = base.blocks
+    spans = dataclasses.replace(base, blocks=(b0, dataclasses.replace(b1, drafter_version="v2", is_context_pure=False),
+                                              dataclasses.replace(b2, drafter_version="v2")))
+    SegmentWriter(tmp_path, writer_id="w").write([spans])
+    stats = BufferReader(tmp_path).stats()
+    assert stats["mixed_blocks"] == 1
+    assert {v: (s["records"], s["blocks"], s["accepted_tokens"]) for v, s in stats["drafter_versions"].items()} \
+        == {"v1": (1, 1, 2), "v2": (1, 1, 0)}
 
 
 def test_segments_are_named_by_time_writer_seq_and_checksum(tmp_path):
@@ -189,26 +222,47 @@ def test_writer_flushes_by_count_and_by_interval(tmp_path):
     assert [len(BufferReader(tmp_path).read_segment(s)) for s in BufferReader(tmp_path).segments()] == [2, 1]
 
 
-def test_writer_survives_a_failing_write_and_keeps_counting(tmp_path):
+def test_writer_holds_records_while_writes_fail_and_writes_them_once_it_can(tmp_path, caplog):
     root = tmp_path / "buf"
-    writer = BufferWriter(root, writer_id="w", flush_records=2, flush_interval_s=60)
+    writer = BufferWriter(root, writer_id="w", flush_records=2, flush_interval_s=60, max_held=3,
+                          retry_interval_s=0.05)
     try:
         root.rmdir()
         root.write_text("a file where the directory was")  # every write now fails
-        writer.submit(make_record(0))
-        writer.submit(make_record(1))
-        wait_for(lambda: writer.stats()["write_errors"] == 1)
+        with caplog.at_level(logging.WARNING, logger="online_opd.traces.writer"):
+            for i in range(5):
+                writer.submit(make_record(i))
+            wait_for(lambda: writer.stats()["write_errors"] >= 3)
+            stats = writer.stats()
+            # the newest 3 are held for the retry, the 2 oldest dropped
+            assert (stats["held"], stats["dropped"], stats["written_records"]) == (3, 2, 0)
+            assert stats["is_write_failing"] and "File exists" in stats["last_error"]
+            root.unlink()  # the writer recreates the directory on its next attempt
+            wait_for(lambda: writer.stats()["written_records"] == 3)
         stats = writer.stats()
-        assert stats["dropped"] == 2 and stats["written_records"] == 0 and stats["last_error"]
-        root.unlink()  # the writer recreates the directory on its next write
-        writer.submit(make_record(2))
-        writer.submit(make_record(3))
-        wait_for(lambda: writer.stats()["written_records"] == 2)
+        assert stats["held"] == 0 and not stats["is_write_failing"]
+        failing = [r for r in caplog.records if "failing" in r.getMessage()]
+        resumed = [r for r in caplog.records if "resumed" in r.getMessage()]
+        assert len(failing) == 1 and len(resumed) == 1, [r.getMessage() for r in caplog.records]
+        assert "2 records dropped" in resumed[0].getMessage()
     finally:
         assert writer.close(timeout=5)
     stats = writer.stats()
-    assert stats["submitted"] == stats["written_records"] + stats["dropped"] == 4
-    assert [r.record_id for r in BufferReader(root).iter_records()] == ["req-2", "req-3"]
+    assert stats["submitted"] == stats["written_records"] + stats["dropped"] == 5
+    assert [r.record_id for r in BufferReader(root).iter_records()] == ["req-2", "req-3", "req-4"]
+    assert [len(BufferReader(root).read_segment(s)) for s in BufferReader(root).segments()] == [2, 1]
+
+
+def test_writer_closing_during_an_outage_drops_what_it_holds(tmp_path):
+    root = tmp_path / "buf"
+    writer = BufferWriter(root, writer_id="w", flush_records=1, flush_interval_s=60, retry_interval_s=60)
+    root.rmdir()
+    root.write_text("not a directory")
+    writer.submit(make_record(0))
+    wait_for(lambda: writer.stats()["write_errors"] == 1)
+    assert writer.close(timeout=5)
+    stats = writer.stats()
+    assert (stats["written_records"], stats["dropped"], stats["held"], stats["write_errors"]) == (0, 1, 0, 2)
 
 
 def test_tail_returns_only_new_records(tmp_path):
@@ -270,7 +324,8 @@ def test_cli_stats_and_show_print_json(tmp_path, capsys):
     assert lines[0]["segment"] == first.name
     assert {k: lines[0][k] for k in ("accepted", "drafted", "num_blocks", "tau", "prompt_len")} == {
         "accepted": 6, "drafted": 8, "num_blocks": 2, "tau": 4.0, "prompt_len": 3}
-    assert lines[0]["blocks"][0] == {"anchor": 2, "draft_tokens": [1003, 1004, 1005, 1006], "num_accepted": 2}
+    assert lines[0]["blocks"][0] == {"anchor": 2, "draft_tokens": [1003, 1004, 1005, 1006], "num_accepted": 2,
+                                     "drafter_version": None, "is_context_pure": True, "num_plain_steps": 0}
 
     _, out = _cli(capsys, "buffer", "show", str(tmp_path), "--limit", "1")
     assert [json.loads(line)["record_id"] for line in out.splitlines()] == ["req-0"]

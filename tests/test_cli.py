@@ -4,6 +4,7 @@ offline pipeline end to end on the real vLLM CPU engine."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -11,7 +12,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from serve.cli import build_parser, main
+from online_opd.config import load_config
+from serve.cli import main
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -44,11 +46,48 @@ def test_train_without_records_is_a_clear_error(tmp_path, caplog):
     assert "no *.jsonl record files" in caplog.text
 
 
-def test_every_subcommand_has_help():
-    parser = build_parser()
-    actions = [a for a in parser._actions if a.dest == "command"][0]
-    for name, sub in actions.choices.items():
-        assert sub.format_help(), name
+def test_each_subcommand_dispatches_to_its_own_runner(monkeypatch):
+    from serve import buffer_cli, drafters_cli, loadgen, report, scrape, server
+
+    seen = []
+    for name, module in {"buffer": buffer_cli, "drafters": drafters_cli, "loadgen": loadgen,
+                         "report": report, "scrape": scrape}.items():
+        monkeypatch.setattr(module, "run", lambda args, name=name: seen.append((name, args.command)) or 7)
+    argv = {"buffer": ["buffer", "stats", "/nowhere"], "drafters": ["drafters", "list"],
+            "loadgen": ["loadgen"], "report": ["report", "--out", "/x.png"], "scrape": ["scrape", "--out", "/x"]}
+    for name, args in argv.items():
+        assert main(args) == 7, name
+    assert seen == [(name, name) for name in argv]
+    monkeypatch.setattr(server, "serve", lambda cfg, **kw: seen.append(("serve", kw["passthrough"])) or 0)
+    assert main(["serve", "--dry-run", "--max-num-seqs", "64"]) == 0
+    assert seen[-1] == ("serve", ["--max-num-seqs", "64"])  # unknown flags go to `vllm serve`
+
+
+def test_unknown_flags_are_refused_outside_serve(caplog):
+    assert main(["config", "show", "--enforce-eager"]) == 2
+    assert "unrecognized arguments: --enforce-eager" in caplog.text
+
+
+def _run(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "serve.cli", "--no-progress", *args], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=120)
+
+
+def test_the_real_command_prints_results_on_stdout_and_names_bad_values_on_stderr(tmp_path):
+    tiny = ROOT / "configs/test-tiny.yaml"
+    shown = _run("config", "show", "-c", str(tiny), "drafter.block_size=2")
+    assert shown.returncode == 0, shown.stderr
+    (tmp_path / "shown.yaml").write_text(shown.stdout)
+    assert load_config(tmp_path / "shown.yaml") == load_config(tiny, ["drafter.block_size=2"])
+
+    refused = _run("config", "show", "drafter.block_size=64")
+    assert (refused.returncode, refused.stdout) == (2, "")
+    assert "drafter.block_size: Input should be less than or equal to 32 (got 64)" in refused.stderr
+
+    env = {k: v for k, v in os.environ.items() if k != "ONLINE_OPD_ADMIN_TOKEN"}
+    no_token = _run("reload", str(tmp_path), env=env)
+    assert (no_token.returncode, no_token.stdout) == (2, "")
+    assert "set ONLINE_OPD_ADMIN_TOKEN to the server's admin token" in no_token.stderr
 
 
 def _cli(*args: str, cwd: Path) -> dict:
@@ -73,6 +112,13 @@ def test_offline_pipeline_end_to_end(tmp_path):
     assert manifest["parent_version"] == "drafter" and manifest["step"] == 4
     result = _cli("eval", *cfg, "--drafter", trained["drafter"], "--out", str(tmp_path / "eval.json"),
                   "eval.max_num_seqs=[4]", cwd=ROOT)
-    assert result["num_drafts"] > 0 and result["acceptance_length"] >= 1.0
+    drafts, accepted, rates = result["num_drafts"], result["num_accepted_tokens"], \
+        result["acceptance_rate_per_position"]
+    assert drafts > 0 and result["num_speculative_tokens"] == len(rates) == 4  # the drafter's block size
+    assert result["acceptance_length"] == round(1 + accepted / drafts, 4)  # tau from vLLM's counters
+    assert rates == sorted(rates, reverse=True)  # position k is accepted only after position k - 1
+    assert sum(round(rate * drafts) for rate in rates) == accepted
     assert result["identical_outputs"] == f"{result['num_prompts']}/{result['num_prompts']}"
+    assert result["speculative"]["concurrency_4"]["output_tokens"] == \
+        result["baseline"]["concurrency_4"]["output_tokens"]
     assert set(result["speedup"]) == {"concurrency_4"}

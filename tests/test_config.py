@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
+import yaml
 from pydantic import BaseModel
 
 from online_opd import config as config_module
@@ -31,10 +33,30 @@ def test_configs_folder_is_not_empty():
     assert {"default.yaml", "qwen3-dflash-gpu.yaml", "test-tiny.yaml"} <= names
 
 
+def _leaves(tree: dict, prefix: str = "") -> dict[str, object]:
+    """``{"section.key": value}`` for every value of a nested mapping that is not itself a mapping."""
+    out: dict[str, object] = {}
+    for key, value in tree.items():
+        if isinstance(value, dict) and value:
+            out.update(_leaves(value, f"{prefix}{key}."))
+        else:
+            out[f"{prefix}{key}"] = value
+    return out
+
+
+def _written(path: Path) -> dict[str, object]:
+    """The leaves a YAML file writes, numbers like ``3e-4`` read as floats (as load_config does)."""
+    written = _leaves(yaml.safe_load(path.read_text(encoding="utf-8")) or {})
+    return {k: float(v) if isinstance(v, str) and re.fullmatch(r"[-+]?\d+(\.\d*)?[eE][-+]?\d+", v) else v
+            for k, v in written.items()}
+
+
 @pytest.mark.parametrize("path", CONFIG_FILES, ids=lambda path: path.name)
-def test_every_shipped_config_loads(path: Path):
-    cfg = load_config(path)
-    assert isinstance(cfg, OnlineOPDConfig)
+def test_every_value_a_shipped_config_writes_reaches_the_config(path: Path):
+    loaded = _leaves(load_config(path).model_dump(mode="json"))
+    written = _written(path)
+    assert written, path
+    assert {k: loaded.get(k, "<missing>") for k in written} == written
 
 
 @pytest.mark.parametrize("path", CONFIG_FILES, ids=lambda path: path.name)
@@ -43,26 +65,38 @@ def test_dump_roundtrip_of_shipped_config(path: Path, tmp_path: Path):
     assert load_config(_write(tmp_path, dump_config(cfg))) == cfg
 
 
-def test_shipped_config_values():
-    tiny = load_config(CONFIG_DIR / "test-tiny.yaml")
-    assert (tiny.data.num_prompts, tiny.trainer.num_steps, tiny.drafter.block_size) == (8, 4, 4)
-    gpu = load_config(CONFIG_DIR / "qwen3-dflash-gpu.yaml")
-    assert gpu.model.target == "Qwen/Qwen3-8B"
-    assert gpu.drafter.target_layer_ids == [1, 9, 17, 25, 33]
-    assert gpu.drafter.init_from == Path("/models/Qwen3-8B-DFlash-b16")
-    assert gpu.engine == {"gpu_memory_utilization": 0.85, "max_num_seqs": 128}
-    default = load_config(CONFIG_DIR / "default.yaml")
-    assert default.model.target is None and default.engine["enforce_eager"] is True
+@pytest.mark.parametrize("path", CONFIG_FILES, ids=lambda path: path.name)
+def test_every_key_a_shipped_config_leaves_out_takes_its_default(path: Path):
+    """A partly written section keeps the defaults of the keys it does not write (test-tiny.yaml's
+    bootstrap section keeps the warm-up's lr, not the trainer's)."""
+    defaults = _leaves(OnlineOPDConfig().model_dump(mode="json"))
+    loaded = _leaves(load_config(path).model_dump(mode="json"))
+    unwritten = loaded.keys() - _written(path).keys()
+    assert {k: loaded[k] for k in unwritten} == {k: defaults[k] for k in unwritten}
 
 
-def test_defaults_without_file():
-    cfg = load_config()
-    assert cfg == OnlineOPDConfig()
-    assert cfg.model.target is None and cfg.model.dtype == "float32"
-    assert (cfg.drafter.method, cfg.drafter.block_size) == ("dflash", 8)
-    assert cfg.trainer.objective == "draft_opd" and cfg.trainer.betas == (0.9, 0.95)
-    assert cfg.trainer.output_dir == Path("runs/train")
-    assert cfg.engine == {}
+def test_partly_written_bootstrap_section_stays_an_sft_warm_up():
+    cfg = load_config(overrides=["bootstrap.num_steps=100"])
+    assert (cfg.bootstrap.objective, cfg.bootstrap.lr, cfg.bootstrap.output_dir) == \
+        ("sft", 1e-3, Path("runs/bootstrap"))
+    assert cfg.bootstrap.num_steps == 100 and cfg.trainer == OnlineOPDConfig().trainer
+
+
+def _field_paths(model: type[BaseModel], prefix: str = "") -> set[str]:
+    """Dotted names of every leaf field of a config model (nested models are walked)."""
+    paths: set[str] = set()
+    for name, field in model.model_fields.items():
+        if isinstance(field.annotation, type) and issubclass(field.annotation, BaseModel):
+            paths |= _field_paths(field.annotation, f"{prefix}{name}.")
+        else:
+            paths.add(f"{prefix}{name}")
+    return paths
+
+
+def test_config_show_without_file_prints_every_key_and_reads_back(tmp_path: Path):
+    shown = dump_config(load_config())
+    assert set(_leaves(yaml.safe_load(shown))) == _field_paths(OnlineOPDConfig)
+    assert load_config(_write(tmp_path, shown)) == load_config() == OnlineOPDConfig()
 
 
 def test_every_model_forbids_extra_keys():
@@ -202,12 +236,18 @@ def test_engine_reserved_key_rejected(key: str, section: str):
     ("trainer.objective=dpo", "trainer.objective"),
     ("data.held_out_fraction=1.0", "data.held_out_fraction"),
     ("eval.temperature=-0.5", "eval.temperature"),
+    ("serve.num_speculative_tokens=0", "serve.num_speculative_tokens"),
     ("model.max_model_len=0", "model.max_model_len"),
     ("model.dtype=fp8", "model.dtype"),
 ])
 def test_validators_reject(override: str, field: str):
-    with pytest.raises(ConfigError, match=field.replace(".", r"\.")):
+    """The error's line for the field names it and shows the refused value (the header also echoes the
+    override, so matching the field anywhere in the message would prove nothing)."""
+    value = yaml.safe_load(override.partition("=")[2])
+    with pytest.raises(ConfigError) as info:
         load_config(overrides=[override])
+    line = rf"^  - {re.escape(field)}: .+ \(got {re.escape(repr(value))}\)$"
+    assert re.search(line, str(info.value), re.MULTILINE), str(info.value)
 
 
 def test_cross_field_checks():

@@ -1,4 +1,5 @@
-"""DFlash drafter: block semantics, checkpoint round trip, and bad checkpoints."""
+"""DFlash drafter: block semantics, checkpoint round trip, bad checkpoints, and what the
+drafter registry reads from a saved config.json (method, block size) for both methods."""
 
 from __future__ import annotations
 
@@ -16,8 +17,14 @@ from online_opd.models.drafters.checkpoint import (
     verify_checkpoint,
 )
 from online_opd.models.drafters.dflash import block_attention_mask
+from online_opd.models.drafters.eagle3 import Eagle3Drafter
 from online_opd.models.drafters.factory import default_target_layer_ids
-from tests.tiny import VOCAB, tiny_drafter, tiny_target
+from online_opd.models.drafters.registry import (
+    block_size_for_config,
+    drafter_class_for_config,
+    method_for_config,
+)
+from tests.tiny import VOCAB, tiny_drafter, tiny_eagle3_drafter, tiny_target
 
 
 @pytest.fixture(scope="module")
@@ -122,3 +129,18 @@ def test_default_layer_ids_spread():
     assert default_target_layer_ids(30) == [1, 8, 14, 20, 27]
     assert default_target_layer_ids(36) == [1, 9, 17, 25, 33]
     assert default_target_layer_ids(4) == [1]
+
+
+def test_method_and_block_size_are_read_from_a_saved_config(tmp_path, target):
+    saved = {"dflash": save_drafter(tiny_drafter(target, block_size=3), tmp_path / "dflash"),
+             "eagle3": save_drafter(tiny_eagle3_drafter(target, block_size=5), tmp_path / "eagle3")}
+    dflash = json.loads((saved["dflash"] / "config.json").read_text())
+    eagle3 = json.loads((saved["eagle3"] / "config.json").read_text())
+    assert "block_size" not in eagle3  # EAGLE-3 keeps K under online_opd, not at the top level
+    assert (method_for_config(dflash), block_size_for_config(dflash)) == ("dflash", 3)
+    assert (method_for_config(eagle3), block_size_for_config(eagle3)) == ("eagle3", 5)
+    assert drafter_class_for_config(eagle3) is Eagle3Drafter
+    for config in ({"architectures": ["LlamaForCausalLM"]}, {}):
+        with pytest.raises(ValueError, match=r"unsupported drafter architectures .*supported: "
+                                             r"\['DFlashDraftModel', 'LlamaForCausalLMEagle3'\]"):
+            method_for_config(config)

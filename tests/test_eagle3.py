@@ -21,6 +21,11 @@ from online_opd.models.drafters.checkpoint import load_drafter, save_drafter
 from online_opd.models.drafters.eagle3 import Eagle3Config, Eagle3Drafter, vllm_default_aux_layer_ids
 from online_opd.models.drafters.layers import grouped_attention, rope_cos_sin
 from online_opd.models.drafters.registry import drafter_class, drafter_class_for_config
+from online_opd.opd.replay import replay_sequence, replay_sequence_naive
+from online_opd.opd.specdec import target_generate
+from online_opd.traces.records import BlockRecord
+from tests.tiny import VOCAB as TINY_VOCAB
+from tests.tiny import tiny_target
 
 HIDDEN, VOCAB, NUM_AUX = 32, 97, 3
 
@@ -52,8 +57,9 @@ def tiny_inputs(length: int = 12, seed: int = 1):
 
 
 @torch.no_grad()
-def naive_chain(drafter: Eagle3Drafter, aux, tokens, anchor: int) -> torch.Tensor:
-    """[K, V] logits for one anchor, following vLLM's proposer step by step."""
+def naive_chain(drafter: Eagle3Drafter, aux, tokens, anchor: int, fed=None) -> torch.Tensor:
+    """[K, V] logits for one anchor, following vLLM's proposer step by step; `fed` (K ids) feeds
+    step k+1 the logged draft d_k instead of the drafter's own argmax."""
     cfg = drafter.cfg
     g = drafter.fc(aux)
     # first pass rows t = 0..a-1: token x_{t+1} (x_a = the bonus token), hidden fc(aux_t)
@@ -74,7 +80,7 @@ def naive_chain(drafter: Eagle3Drafter, aux, tokens, anchor: int) -> torch.Tenso
         prenorm = hidden + residual
         logits = drafter.norm(prenorm[-1]) @ drafter.lm_head_weight.T
         out.append(logits)
-        row_tokens.append(int(logits.argmax()))  # next step: own draft ...
+        row_tokens.append(int(logits.argmax()) if fed is None else int(fed[len(out) - 1]))  # next: the draft ...
         row_hidden.append(prenorm[-1])  # ... and own pre-norm hidden, one position on
     return torch.stack(out)
 
@@ -221,6 +227,33 @@ def test_save_load_round_trip(tmp_path):
     torch.testing.assert_close(loaded(aux, anchors, tokens[anchors], token_ids=tokens),
                                drafter(aux, anchors, tokens[anchors], token_ids=tokens),
                                atol=0, rtol=0)
+
+
+def test_replay_conditions_q_on_the_logged_drafts():
+    """Draft-OPD scores q and p on one prefix (x, y<=a, d_<k): packed replay feeds EAGLE-3 step k the
+    logged draft d_<k (here drafted by other weights), not its own argmax, exactly as a per-block
+    reference (a target forward on x_<=a, then vLLM's chain fed the logged drafts) computes it."""
+    target = tiny_target(0, num_layers=3, init_range=0.5)
+    cfg = Eagle3Config(hidden_size=32, num_layers=1, num_heads=4, num_kv_heads=2, head_dim=8,
+                       intermediate_size=48, vocab_size=TINY_VOCAB, target_layer_ids=(0, 1, 2),
+                       block_size=4, rms_norm_eps=1e-5, rope_theta=10000.0)
+    torch.manual_seed(3)
+    drafter = Eagle3Drafter(cfg)
+    drafter.attach_target(target.embed_weight, target.lm_head_weight)
+    tokens = torch.tensor(target_generate(target, [5, 17, 3, 42, 8, 29], 14))
+    gen = torch.Generator().manual_seed(4)
+    blocks = [BlockRecord(a, tuple(torch.randint(0, TINY_VOCAB, (4,), generator=gen).tolist()), 0)
+              for a in (5, 9, 13)]
+    packed = replay_sequence(target, drafter, tokens, blocks)
+    own = drafter.propose(target.forward(tokens, cfg.target_layer_ids).aux_hidden,
+                          torch.tensor([b.anchor for b in blocks]), tokens[[b.anchor for b in blocks]], tokens)
+    assert any(tuple(own[m, :3].tolist()) != b.draft_tokens[:3] for m, b in enumerate(blocks))
+    for m, block in enumerate(blocks):
+        aux = target.forward(tokens[: block.anchor + 1], cfg.target_layer_ids).aux_hidden
+        expected = naive_chain(drafter, aux, tokens, block.anchor, fed=block.draft_tokens)
+        torch.testing.assert_close(packed.draft_logits[m], expected, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(packed.draft_logits, replay_sequence_naive(target, drafter, tokens, blocks)
+                               .draft_logits, atol=1e-4, rtol=1e-4)
 
 
 @pytest.mark.slow

@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from online_opd.config import GateConfig, TrainerConfig
+from online_opd.opd.rollout import pooled_acceptance_length
 from online_opd.opd.specdec import processed_probs, speculative_generate, verify_greedy, verify_rejection
 from online_opd.release.gate import (
     evaluate_gate,
@@ -21,15 +22,18 @@ from online_opd.release.gate import (
     paired_lower_bound,
     simulate_record,
     split_held_out,
-    t_quantile,
+    walk_blocks,
 )
+from online_opd.traces.records import SequenceRecord, check_fidelity
 from online_opd.train.loop import train
 from online_opd.train.sequences import TrainSequence, compute_aux_hidden
 from online_opd.train.sft import sample_anchors, sft_loss
+from tests.dynamic_k import scheduled_greedy_record
 from tests.tiny import tiny_drafter, tiny_target
 
 K = 4
 NEW_TOKENS = 28
+SPLIT_PREFIX = 16
 
 
 def _prompts(num: int, offset: int) -> list[list[int]]:
@@ -114,6 +118,41 @@ def test_greedy_simulation_equals_reference_verification(target, serving, traine
                  for a, d in zip(anchors, trained_drafts)]
     assert expected[0].tolist() == [float(r) for r in reference]
     assert sum(reference) > len(reference)  # the comparison includes multi-token accepts
+
+
+def test_blocks_of_changing_length_are_scored_at_their_own_length(target, serving, trained):
+    """A greedy request served with K = 4, 2, 0, 1, 3, 0, 0, 4, 1 drafted tokens per step: each drafter
+    drafts min(K_m, K) tokens at a logged anchor, as vLLM does, and E[r] counts only those."""
+    record = scheduled_greedy_record(target, serving, _prompts(1, 50)[0], NEW_TOKENS, (4, 2, 0, 1, 3, 0, 0, 4, 1))
+    assert check_fidelity(record) == []
+    lengths = [len(b.draft_tokens) for b in record.blocks]
+    assert {1, 2, 3, 4} <= set(lengths) and any(b.num_plain_steps > 1 for b in record.blocks)
+    anchors = [b.anchor for b in record.blocks]
+    expected, (trained_drafts, serving_drafts) = simulate_record(target, (trained, serving), record, anchors,
+                                                                 lengths)
+    # the drafter that served re-proposes each logged block at its length and gets its logged r
+    assert [d[:n] for d, n in zip(serving_drafts.tolist(), lengths)] == [list(b.draft_tokens) for b in record.blocks]
+    assert expected[1].tolist() == [float(b.num_accepted) for b in record.blocks]
+    # another drafter: exactly what greedy verification of its K_m-block accepts
+    reference = [verify_greedy(d[:n], _reference_logits(target, record, a, d[:n].tolist()))[0]
+                 for a, d, n in zip(anchors, trained_drafts, lengths)]
+    assert expected[0].tolist() == [float(r) for r in reference]
+    assert all(float(e) <= n for e, n in zip(expected[0], lengths))
+
+
+def test_records_served_without_speculation_are_scored_on_the_serving_walk(target, serving, trained, records):
+    """No logged anchors: both drafters are scored at the serving drafter's own greedy walk, which at
+    T = 0 reproduces exactly the blocks serving it logged."""
+    plain = [dataclasses.replace(r, blocks=()) for r in records]
+    walks = [walk_blocks(target, serving, r, 64) for r in plain]
+    for walk, served in zip(walks, records):
+        assert len(walk) >= len(served.blocks) - 1 and walk == list(served.blocks[: len(walk)])
+    result = evaluate_gate(target, trained, serving, plain, GateConfig())
+    assert result.n_records == result.n_records_walked == 8 and result.n_blocks == sum(map(len, walks))
+    assert result.tau_serving == pytest.approx(pooled_acceptance_length(walks), abs=1e-12)
+    assert result.passed and result.tau_candidate > result.tau_serving + 0.5, result.reason
+    same = evaluate_gate(target, copy.deepcopy(serving), serving, plain, GateConfig())
+    assert same.diff_mean == 0.0 and not same.passed
 
 
 def test_drafters_with_other_block_sizes_share_the_packed_forward(target, trained, records):
@@ -207,29 +246,60 @@ def test_anchor_cap_and_truncation(target, serving, trained, records):
     assert capped.n_blocks == len(records[6].blocks) + len(records[7].blocks)
 
 
-def test_t_quantile_and_paired_bound():
-    table = {(0.9, 1): 3.0777, (0.9, 2): 1.8856, (0.99, 3): 4.5407, (0.9, 7): 1.4149, (0.95, 7): 1.8946,
-             (0.975, 10): 2.2281, (0.95, 30): 1.6973}
-    for (p, dof), value in table.items():
-        assert abs(t_quantile(p, dof) - value) < 1e-4
-    assert abs(t_quantile(0.1, 7) + 1.4149) < 1e-4
-    assert abs(t_quantile(0.9, 5000) - 1.2816) < 1e-3
-    mean, stderr, lower = paired_lower_bound([1.0, 2.0, 3.0], 0.9)
+def test_paired_bound_uses_student_t_quantiles():
+    # lower = mean - t_{c, n-1} * stderr, with t from printed tables:
+    # t_{0.9,2} = 1.8856, t_{0.95,7} = 1.8946, t_{0.99,3} = 4.5407.
+    mean, stderr, lower = paired_lower_bound([1.0, 2.0, 3.0], 0.9)  # sd 1, stderr 1/sqrt(3)
     assert mean == 2.0 and abs(stderr - 1 / math.sqrt(3)) < 1e-12
     assert abs(lower - (2.0 - 1.8856 / math.sqrt(3))) < 1e-4
+    eight = [1.0, 3.0] * 4  # mean 2, sd sqrt(8/7), stderr sqrt(8/7)/sqrt(8) = 1/sqrt(7)
+    assert abs(paired_lower_bound(eight, 0.95)[2] - (2.0 - 1.8946 / math.sqrt(7))) < 1e-4
+    four = [0.0, 0.0, 2.0, 2.0]  # mean 1, sd sqrt(4/3), stderr 1/sqrt(3)
+    assert abs(paired_lower_bound(four, 0.99)[2] - (1.0 - 4.5407 / math.sqrt(3))) < 1e-4
     assert paired_lower_bound([0.5], 0.9)[2] == -math.inf
     assert paired_lower_bound([0.5, 0.5], 0.9)[2] == 0.5
+    assert paired_lower_bound([], 0.9)[2] == -math.inf
 
 
-def test_held_out_split_is_stable_by_record_id():
-    ids = [f"req-{i}" for i in range(2000)]
-    share = sum(is_held_out(i, 0.1) for i in ids) / len(ids)
-    assert 0.08 < share < 0.12
-    assert [is_held_out(i, 0.1) for i in ids] == [is_held_out(i, 0.1) for i in ids]
-    assert all(is_held_out(i, 0.3) for i in ids if is_held_out(i, 0.1))  # shares nest
+def _seq_record(prompt: list[int], output: list[int], record_id: str) -> SequenceRecord:
+    return SequenceRecord(record_id=record_id, model_id="tiny", drafter_version="v0", temperature=0.8,
+                          top_p=1.0, top_k=0, tokens=tuple(prompt + output), prompt_len=len(prompt), blocks=())
+
+
+def test_held_out_split_keeps_shared_prompts_on_one_side():
+    """n > 1 siblings, repeated prompts and later turns of a conversation share content: whatever their
+    record ids and outputs, they land on the side of the conversation's first prompt tokens."""
+    gen = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(0, 50_000, (int(n),), generator=gen).tolist()
+               for n in torch.randint(SPLIT_PREFIX, 3 * SPLIT_PREFIX, (400,), generator=gen)]
+    sides = set()
+    for i, prompt in enumerate(prompts):
+        turn_1 = _seq_record(prompt, [1, 2, 3], f"a{i}")
+        siblings = [_seq_record(prompt, [7 + j] * (j + 1), f"b{i}-{j}") for j in range(3)]  # n = 3
+        repeat = _seq_record(prompt, [1, 2, 3], f"c{i}")
+        turn_2 = _seq_record(list(turn_1.tokens) + [11, 12, 13], [4], f"d{i}")  # its prompt holds turn 1
+        side = {is_held_out(r, 0.5, SPLIT_PREFIX) for r in (turn_1, *siblings, repeat, turn_2)}
+        assert len(side) == 1, f"prompt {i} was split across sides"
+        sides |= side
+    assert sides == {True, False}
+    # the key is the prompt prefix: records differing there, with one id, can land apart
+    first = [_seq_record(p, [1], "same-id") for p in prompts]
+    assert len({is_held_out(r, 0.5, SPLIT_PREFIX) for r in first}) == 2
+    short = _seq_record(prompts[0][:5], [1, 2], "short")  # a prompt shorter than the prefix: all of it
+    assert is_held_out(short, 0.5, SPLIT_PREFIX) == is_held_out(_seq_record(prompts[0][:5], [9], "x"), 0.5, 5)
+
+
+def test_held_out_split_fraction_and_nesting():
+    gen = torch.Generator().manual_seed(1)
+    records = [_seq_record(torch.randint(0, 50_000, (12,), generator=gen).tolist(), [1], f"r{i}")
+               for i in range(4000)]
+    share = sum(is_held_out(r, 0.1, SPLIT_PREFIX) for r in records) / len(records)
+    assert 0.09 < share < 0.11  # binomial sd 0.005
+    assert all(is_held_out(r, 0.3, SPLIT_PREFIX) for r in records if is_held_out(r, 0.1, SPLIT_PREFIX))
 
 
 def test_split_held_out_partitions(records):
-    train_part, held = split_held_out(records, 0.5)
+    train_part, held = split_held_out(records, 0.5, SPLIT_PREFIX)
     assert sorted(r.record_id for r in train_part + held) == sorted(r.record_id for r in records)
-    assert all(is_held_out(r.record_id, 0.5) for r in held)
+    assert all(is_held_out(r, 0.5, SPLIT_PREFIX) for r in held)
+    assert not any(is_held_out(r, 0.5, SPLIT_PREFIX) for r in train_part)

@@ -5,6 +5,7 @@ per module: starting vLLM takes 30-80 s on the CI machine)."""
 from __future__ import annotations
 
 import argparse
+import http.server
 import json
 import os
 import signal
@@ -12,6 +13,7 @@ import socket
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 import urllib.request
 from collections.abc import Iterator
@@ -41,12 +43,70 @@ def free_port() -> int:
 # ------------------------------------------------------------------------------ options and rules
 
 
-def test_defaults_are_a_closed_loop_over_each_prompt_once() -> None:
-    cfg = loadgen.config_from_args(parse())
-    assert cfg.base_url == "http://127.0.0.1:8000/v1"
-    assert (cfg.endpoint, cfg.stream, cfg.open_loop, cfg.max_in_flight) == ("chat", False, False, 8)
-    assert (cfg.prompts, cfg.split, cfg.num_requests, cfg.duration) == ("sharegpt", "train", None, None)
-    assert cfg.temperature is None and cfg.top_p is None and cfg.progress
+class _ChatServer(http.server.ThreadingHTTPServer):
+    """The two OpenAI routes loadgen uses; records each request's user message and how many requests
+    were in flight at once. Requests are held until `hold_until` are in flight together (or 5 s
+    pass), so a loop that keeps fewer workers busy shows as a lower peak, not as a slow test."""
+
+    def __init__(self, hold_until: int) -> None:
+        super().__init__(("127.0.0.1", 0), _ChatHandler)
+        self.hold_until, self.in_flight, self.peak, self.messages = hold_until, 0, 0, []
+        self.lock = threading.Condition()
+
+
+class _ChatHandler(http.server.BaseHTTPRequestHandler):
+    server: _ChatServer
+
+    def do_GET(self) -> None:  # noqa: N802 (http.server's name)
+        self._reply({"object": "list", "data": [{"id": "tiny", "object": "model", "created": 0,
+                                                 "owned_by": "test"}]})
+
+    def do_POST(self) -> None:  # noqa: N802
+        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        s = self.server
+        with s.lock:
+            s.messages.append(body["messages"][-1]["content"])
+            s.in_flight += 1
+            s.peak = max(s.peak, s.in_flight)
+            s.lock.notify_all()
+            s.lock.wait_for(lambda: s.peak >= s.hold_until, timeout=5.0)
+        time.sleep(0.01)
+        with s.lock:
+            s.in_flight -= 1
+        self._reply({"id": "c", "object": "chat.completion", "created": 0, "model": body["model"],
+                     "choices": [{"index": 0, "finish_reason": "length",
+                                  "message": {"role": "assistant", "content": "ok ok"}}],
+                     "usage": {"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5}})
+
+    def _reply(self, payload: dict) -> None:
+        data = json.dumps(payload).encode()
+        self.send_response(200)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    def log_message(self, *args) -> None:
+        pass
+
+
+def test_defaults_are_a_closed_loop_of_8_over_each_prompt_once(monkeypatch) -> None:
+    for var in ("http_proxy", "HTTP_PROXY", "all_proxy", "ALL_PROXY"):
+        monkeypatch.delenv(var, raising=False)
+    server = _ChatServer(hold_until=8)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        args = parse("--base-url", f"http://127.0.0.1:{server.server_address[1]}/v1", "--num-prompts", "24")
+        args.no_progress = True
+        summary = run_load(loadgen.config_from_args(args))
+    finally:
+        server.shutdown()
+        server.server_close()
+    prompts = select_prompts("sharegpt", "train", 24, seed=0)
+    assert sorted(server.messages) == sorted(p.messages[-1]["content"] for p in prompts)  # each once
+    assert server.peak == 8  # eight workers, never more
+    assert (summary["requests_ok"], summary["requests_failed"], summary["output_tokens"]) == (24, 0, 48)
+    assert (summary["model"], summary["mode"]) == ("tiny", "closed")
 
 
 def test_rate_makes_an_open_loop_whose_cap_is_concurrency() -> None:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import math
 
 import pytest
@@ -10,7 +9,6 @@ import torch
 
 from online_opd.opd.losses import (
     LOSSES,
-    DraftOPDLoss,
     all_forward_loss,
     all_reverse_loss,
     draft_opd_loss,
@@ -59,9 +57,18 @@ def _close(tensor: torch.Tensor, expected: float) -> None:
     assert tensor.item() == pytest.approx(expected, rel=1e-9, abs=1e-12)
 
 
-def test_kl_constants_are_positive_and_asymmetric():
-    for f, r in ((F_A, R_A), (F_B, R_B), (F_C, R_C)):
-        assert f > 0 and r > 0 and abs(f - r) > 1e-3
+# One position, p = (0.5, 0.5), q = (0.25, 0.75):
+#   KL(p || q) = 0.5 ln(0.5 / 0.25) + 0.5 ln(0.5 / 0.75)   = 0.5 ln(4/3)            = 0.143841036226
+#   KL(q || p) = 0.25 ln(0.25 / 0.5) + 0.75 ln(0.75 / 0.5) = 0.75 ln 1.5 - 0.25 ln 2 = 0.130812035941
+P_HALF = torch.tensor([[[0.5, 0.5]]], dtype=torch.float64).log()  # [1, 1, 2]
+Q_QUARTER = torch.tensor([[[0.25, 0.75]]], dtype=torch.float64).log()  # [1, 1, 2]
+
+
+def test_accepted_position_is_forward_kl_and_rejected_position_reverse_kl():
+    _close(draft_opd_loss(P_HALF, Q_QUARTER, _r(1)).loss, 0.143841036226)
+    _close(draft_opd_loss(P_HALF, Q_QUARTER, _r(0)).loss, 0.130812035941)
+    _close(all_forward_loss(P_HALF, Q_QUARTER, _r(0)).loss, 0.143841036226)
+    _close(all_reverse_loss(P_HALF, Q_QUARTER, _r(1)).loss, 0.130812035941)
 
 
 # --- draft_opd_loss ---------------------------------------------------------
@@ -233,11 +240,14 @@ def test_half_precision_logits_are_upcast():
     assert out.loss.dtype == torch.float32 and torch.isfinite(out.loss)
 
 
-def test_result_is_frozen():
-    out = draft_opd_loss(TARGET, DRAFT, _r(1, 2))
-    assert isinstance(out, DraftOPDLoss)
-    with pytest.raises(dataclasses.FrozenInstanceError):
-        out.loss = torch.tensor(0.0)
+def test_gradients_by_hand_on_one_position():
+    # d KL(p || softmax(z)) / dz = q - p                        = (-0.25, 0.25)
+    # d KL(softmax(z) || p) / dz_j = q_j (ln(q_j / p_j) - KL(q || p))
+    #   = (0.25 (ln 0.5 - 0.130812035941), 0.75 (ln 1.5 - 0.130812035941)) = (-0.205989804125, 0.205989804125)
+    for r, expected in ((1, [-0.25, 0.25]), (0, [-0.205989804125, 0.205989804125])):
+        draft = Q_QUARTER.clone().requires_grad_(True)
+        draft_opd_loss(P_HALF, draft, _r(r)).loss.backward()
+        assert draft.grad[0, 0].tolist() == pytest.approx(expected, abs=1e-11)
 
 
 def test_position_masks():
@@ -249,17 +259,55 @@ def test_position_masks():
     assert first.tolist() == [[True, False, False], [False, False, True], [False, False, False]]
 
 
-def test_registry():
-    assert LOSSES == {
-        "draft_opd": draft_opd_loss,
-        "all_forward": all_forward_loss,
-        "all_reverse": all_reverse_loss,
-        "target_rollout": target_rollout_loss,
+def test_get_loss_computes_the_objective_its_name_says():
+    # r = (0, 2), defaults gamma = 0.8: w = (1, 0.8, 0.64); block 0 is (A, B, C), block 1 is (C, A, B)
+    rej = (R_A + 0.8 * R_B + 0.64 * R_C + 0.64 * R_B) / (1 + 0.8 + 0.64 + 0.64)
+    expected = {
+        "draft_opd": ((F_C + F_A) / 2 + rej) / 2,
+        "all_forward": (F_A + F_B + F_C + F_C + F_A + F_B) / 6,
+        "all_reverse": (R_A + 0.8 * R_B + 0.64 * R_C + R_C + 0.8 * R_A + 0.64 * R_B) / (2 * 2.44),
+        "target_rollout": (F_A + F_C + F_A + F_B) / 4,
     }
-    for name, fn in LOSSES.items():
-        assert get_loss(name) is fn
-    with pytest.raises(ValueError, match="valid names: all_forward, all_reverse, draft_opd, target_rollout"):
+    assert sorted(LOSSES) == sorted(expected)
+    for name, value in expected.items():
+        _close(get_loss(name)(TARGET, DRAFT, _r(0, 2)).loss, value)
+    with pytest.raises(ValueError, match="unknown loss 'sft'; valid names: all_forward, all_reverse, "
+                                         "draft_opd, target_rollout"):
         get_loss("sft")
+
+
+def test_blocks_shorter_than_k_leave_their_padding_rows_out():
+    # r = (0, 2), block 1 drafted K_1 = 2 tokens (C, A): its third row is padding, filled with junk
+    # logits that would change every objective if it were read. gamma = 0.8: w = (1, 0.8, 0.64).
+    junk_t, junk_d = TARGET.clone(), DRAFT.clone()
+    junk_t[1, 2], junk_d[1, 2] = torch.tensor([9.0, -9.0, 0.0]), torch.tensor([-9.0, 9.0, 0.0])
+    drafted = _r(3, 2)
+    expected = {
+        "draft_opd": ((F_C + F_A) / 2 + (R_A + 0.8 * R_B + 0.64 * R_C) / 2.44) / 2,
+        "all_forward": (F_A + F_B + F_C + F_C + F_A) / 5,
+        "all_reverse": (R_A + 0.8 * R_B + 0.64 * R_C + R_C + 0.8 * R_A) / (2.44 + 1.8),
+        "target_rollout": (F_C + F_A + F_A) / 3,  # block 1 fully accepted: no first rejected row
+    }
+    for name, value in expected.items():
+        draft = junk_d.clone().requires_grad_(True)
+        out = get_loss(name)(junk_t, draft, _r(0, 2), num_drafted=drafted)
+        _close(out.loss, value)
+        out.loss.backward()
+        assert not draft.grad[1, 2].any() and draft.grad[1, :2].abs().sum() > 0
+    acc, rej = position_masks(_r(0, 2), 3, num_drafted=drafted)
+    assert acc.tolist() == [[False, False, False], [True, True, False]]
+    assert rej.tolist() == [[True, True, True], [False, False, False]]
+
+
+@pytest.mark.parametrize("drafted, match", [
+    (_r(3, 4), r"num_drafted values must lie in 1..K=3"),
+    (_r(0, 3), r"num_drafted values must lie in 1..K=3"),
+    (_r(3, 1), "num_accepted exceeds num_drafted"),
+    (_r(3), "num_drafted must be an integer tensor shaped like num_accepted"),
+])
+def test_bad_num_drafted_raises(drafted, match):
+    with pytest.raises(ValueError, match=match):
+        draft_opd_loss(TARGET, DRAFT, _r(0, 2), num_drafted=drafted)
 
 
 # --- validation -------------------------------------------------------------

@@ -77,7 +77,8 @@ def test_live_check_rolls_back_a_worse_drafter(trained_run, tmp_path):
     from tests.serving import CONFIG as SERVE_CONFIG
 
     server = ServerProcess(tmp_path / "serve", SERVE_CONFIG, "--no-train", "-o", f"bootstrap.output_dir={trained_run}",
-                           "-o", "serve.live_check_drafts=60", "-o", "serve.rollback_tolerance=0.2", token=TOKEN)
+                           "-o", "serve.live_check_drafts=60", "-o", "serve.live_check_min_windows=8",
+                           "-o", "serve.rollback_tolerance=0.2", token=TOKEN)
     stop = threading.Event()
     summaries: list[dict] = []
 

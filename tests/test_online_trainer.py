@@ -15,11 +15,11 @@ import torch
 
 from online_opd.config import OnlineOPDConfig, TrainerConfig
 from online_opd.models.target_model import TargetModel
-from online_opd.opd.specdec import speculative_generate
-from online_opd.release.gate import is_held_out, split_held_out
+from online_opd.opd.specdec import speculative_generate, target_generate
+from online_opd.release.gate import split_held_out
 from online_opd.release.registry import DrafterRegistry
 from online_opd.traces.buffer import SegmentWriter
-from online_opd.traces.records import BlockRecord
+from online_opd.traces.records import BlockRecord, SequenceRecord
 from online_opd.train.loop import train
 from online_opd.train.online import OnlineTrainer
 from online_opd.train.sequences import TrainSequence, compute_aux_hidden
@@ -28,6 +28,7 @@ from tests.tiny import tiny_drafter, tiny_target
 
 K = 4
 HELD_OUT = 0.3
+SPLIT_PREFIX = 4  # the prompts are 4 tokens long: each record is keyed by its whole prompt
 
 
 @pytest.fixture(scope="module")
@@ -49,7 +50,8 @@ def world(tmp_path_factory):
 def _config(**online) -> OnlineOPDConfig:
     return OnlineOPDConfig.model_validate({
         "trainer": {"lr": 3e-3, "warmup_ratio": 0.0, "sequences_per_step": 2, "anchors_per_sequence": 4},
-        "gate": {"every_steps": 3, "min_records": 2, "max_records": 8, "held_out_fraction": HELD_OUT},
+        "gate": {"every_steps": 3, "min_records": 2, "max_records": 8, "held_out_fraction": HELD_OUT,
+                 "split_prefix_tokens": SPLIT_PREFIX},
         "online": {"settle_s": 0.0, "poll_s": 0.05, "min_records": 2, "checkpoint_every": 2, **online},
     })
 
@@ -77,16 +79,19 @@ def test_poll_routes_records_and_drops_invalid_ones(world, tmp_path):
     blocks = list(first.blocks)
     blocks[i] = dataclasses.replace(blocks[i], num_accepted=blocks[i].num_accepted + 1)  # claims a rejected one
     invalid = dataclasses.replace(first, record_id="bad", blocks=tuple(blocks))
-    empty = dataclasses.replace(first, record_id="empty", blocks=())
-    b = first.blocks[0]  # a valid record served with K=2: the K=4 drafter cannot replay it
-    short_k = dataclasses.replace(first, record_id="short-k",
+    too_short = dataclasses.replace(first, record_id="one-token", tokens=first.tokens[: first.prompt_len + 1],
+                                    blocks=())  # no block, and no room to simulate one
+    # kept: a request served without speculation, and one whose K changed (a 2-block, plain steps after)
+    empty = dataclasses.replace(world["records"][1], record_id="empty", blocks=())
+    b = world["records"][2].blocks[0]
+    short_k = dataclasses.replace(world["records"][2], record_id="short-k",
                                   blocks=(BlockRecord(b.anchor, b.draft_tokens[:2], min(b.num_accepted, 2)),))
-    short_k = short_k if not is_held_out("short-k", HELD_OUT) else None  # held-out records of any K are kept
-    extra = [r for r in (invalid, empty, short_k) if r is not None]
+    good = good + [empty, short_k]
+    extra = [invalid, too_short]
     trainer = OnlineTrainer(_config(), **_setup(world, tmp_path, good + extra))
 
     kept = trainer.poll()
-    train, held_out = split_held_out(good, HELD_OUT)
+    train, held_out = split_held_out(good, HELD_OUT, SPLIT_PREFIX)
     assert 0 < len(held_out) < len(good) and kept == len(good)
     assert [r.record_id for r in trainer.window] == [r.record_id for r in train]
     assert [r.record_id for r in trainer.held_out] == [r.record_id for r in held_out]
@@ -120,10 +125,12 @@ def test_step_trains_fresh_records_first(world, tmp_path):
 
 def test_run_gates_publishes_and_resumes(world, tmp_path):
     paths = _setup(world, tmp_path)
-    trainer = OnlineTrainer(_config(max_steps=3), **paths)
+    cfg = _config(max_steps=3)
+    cfg.gate.margin = float(K)  # tau lies in [1, K + 1]: no tau gain clears a margin of K, the gate rejects
+    trainer = OnlineTrainer(cfg, **paths)
     final = trainer.run(threading.Event())
     assert final["steps"] == 3 and final["status"] == "stopped" and final["errors"] == 0
-    assert final["gates"] == 1 and final["promotions"] + final["rejections"] == 1
+    assert (final["gates"], final["promotions"], final["rejections"]) == (1, 0, 1)
 
     registry = DrafterRegistry(paths["registry_dir"])
     published = registry.get(final["last_published"])
@@ -131,9 +138,10 @@ def test_run_gates_publishes_and_resumes(world, tmp_path):
     gate = published.metrics["gate"]
     assert gate["n_records"] == final["held_out_pool"] and gate["n_blocks"] > 0
     assert published.metrics["objective"] == "draft_opd" and math.isfinite(published.metrics["train"]["loss"])
-    assert published.status in ("promoted", "rejected") and "tau" in published.status_reason
-    assert (registry.current().version == "v0002") == gate["passed"]
-    assert final["last_gate"]["status"] == published.status
+    assert published.status == "rejected" and not gate["passed"]
+    assert "tau gain lower bound" in published.status_reason and f"<= margin {K}" in published.status_reason
+    assert registry.current().version == "v0001"  # a rejected candidate never serves
+    assert final["last_gate"]["status"] == "rejected"
 
     # a new trainer on the same state resumes: same step, weights, counters; pools rebuilt, none fresh
     resumed = OnlineTrainer(_config(max_steps=4), **paths)
@@ -147,8 +155,25 @@ def test_run_gates_publishes_and_resumes(world, tmp_path):
     assert resumed.run(threading.Event())["steps"] == 4
     # a smaller window is refilled with the newest train records only
     small = OnlineTrainer(_config(window_records=3), **paths)
-    train, _ = split_held_out(world["records"], HELD_OUT)
+    train, _ = split_held_out(world["records"], HELD_OUT, SPLIT_PREFIX)
     assert small.step_count == 4 and [r.record_id for r in small.window] == [r.record_id for r in train[-3:]]
+
+
+def test_lr_warms_up_linearly_then_stays_constant_across_a_resume(world, tmp_path):
+    paths = _setup(world, tmp_path)
+    cfg = _config()
+    cfg.trainer.warmup_ratio = 0.002  # W = round(0.002 * 1000 steps) = 2; lr(s) = 3e-3 * min(s / W, 1)
+    trainer = OnlineTrainer(cfg, **paths)
+    trainer.poll()
+    lrs = [group["lr"] for group in trainer.optimizer.param_groups]
+    assert lrs == [0.0, 0.0]  # step 0 of the warm-up
+    assert trainer.step()["lr"] == pytest.approx(1.5e-3)  # the rate of step 1, half-way
+    trainer.save()
+
+    resumed = OnlineTrainer(cfg, **paths)  # the schedule resumes mid warm-up, not from its start
+    assert [group["lr"] for group in resumed.optimizer.param_groups] == pytest.approx([1.5e-3, 1.5e-3])
+    resumed.poll()
+    assert [resumed.step()["lr"] for _ in range(2)] == pytest.approx([3e-3, 3e-3])  # warm-up over: constant
 
 
 @pytest.fixture(scope="module")
@@ -188,6 +213,96 @@ def test_gate_promotes_a_better_candidate_and_training_goes_on(world, memorised,
     assert all(torch.equal(before[k], v) for k, v in _weights(trainer).items())  # no reset
     assert trainer.step()["step"] == 4
     assert trainer.stats()["promotions"] == 1
+
+
+@pytest.fixture(scope="module")
+def plain_records(world):
+    """24 greedy requests served with speculation off: the target's tokens and no block at all."""
+    target = TargetModel.from_pretrained(world["root"] / "target")
+    records = []
+    for i in range(24):
+        prompt = torch.randint(1, 60, (4,), generator=torch.Generator().manual_seed(100 + i)).tolist()
+        tokens = target_generate(target, prompt, 24)
+        records.append(SequenceRecord(record_id=f"plain-{i}", model_id="tiny", drafter_version="v0001",
+                                      temperature=0.0, top_p=1.0, top_k=0, tokens=tuple(tokens), prompt_len=4,
+                                      blocks=()))
+    return records
+
+
+def test_replay_plan_uses_logged_blocks_or_simulates_the_current_drafter(world, tmp_path):
+    trainer = OnlineTrainer(_config(), **_setup(world, tmp_path))
+    served = world["records"][0]  # greedy, every decode step speculated with the drafter now current
+    assert trainer.replay_plan(served) == served and trainer.stats()["records_simulated"] == 0
+    # served without speculation: the current drafter's walk, at T = 0 the very blocks it logged
+    walked = trainer.replay_plan(dataclasses.replace(served, blocks=()))
+    assert walked.blocks == served.blocks[: len(walked.blocks)] and len(walked.blocks) >= len(served.blocks) - 1
+    # one logged block out of many (speculation mostly off): below the default coverage of 0.5
+    assert trainer.replay_plan(dataclasses.replace(served, blocks=served.blocks[:1])).blocks == walked.blocks
+    b = served.blocks[0]  # drafted with K = 6 > 4: not replayable by this drafter, so simulated too
+    long_k = dataclasses.replace(served, blocks=(dataclasses.replace(b, draft_tokens=b.draft_tokens + (1, 2)),))
+    assert trainer.replay_plan(long_k).blocks == walked.blocks
+    assert trainer.stats()["records_simulated"] == 3
+    trainer.cfg.online.simulate_below_coverage = 0.0  # never simulate: logged blocks or nothing
+    assert trainer.replay_plan(dataclasses.replace(served, blocks=())) is None
+    assert trainer.replay_plan(long_k) is None
+    assert trainer.replay_plan(dataclasses.replace(served, blocks=served.blocks[:1])).blocks == served.blocks[:1]
+
+
+def test_a_fresh_drafter_that_never_speculated_learns_from_plain_records(world, plain_records, tmp_path):
+    """No record has a block: every replay runs on the blocks the current drafter simulates over the
+    record, the gate scores held-out records on the serving drafter's walk, and held-out tau rises."""
+    cfg = _config()
+    cfg.trainer.anchors_per_sequence = 8
+    trainer = OnlineTrainer(cfg, **_setup(world, tmp_path, plain_records))
+    assert trainer.poll() == len(plain_records) and trainer.stats()["records_unusable"] == 0
+    num_held_out = len(trainer.held_out)
+    assert 2 <= num_held_out < len(plain_records) // 2
+    before = _weights(trainer)
+    losses = [trainer.step()["loss"] for _ in range(30)]
+    assert all(math.isfinite(loss) for loss in losses) and trainer.stats()["records_simulated"] == 30 * 2
+    assert any(not torch.equal(before[k], v) for k, v in _weights(trainer).items())
+    summary = trainer.gate()
+    assert summary["n_records"] == summary["n_records_walked"] == num_held_out
+    assert summary["tau_candidate"] > summary["tau_serving"] + 0.05, summary
+
+
+def test_a_repeating_failure_is_logged_once_per_occurrence_and_counted_each_time(world, tmp_path, caplog):
+    import logging
+
+    from online_opd.files import atomic_write_json
+    from online_opd.models.drafters.checkpoint import WEIGHTS_FILE
+
+    paths = _setup(world, tmp_path)
+    trainer = OnlineTrainer(_config(), **paths)
+    registry = DrafterRegistry(paths["registry_dir"])
+    torn = registry.publish(registry.path("v0001"), parent="v0001").version
+    weights = registry.path(torn) / WEIGHTS_FILE
+    weights.write_bytes(weights.read_bytes()[:100])
+
+    def point_current_at(version: str) -> None:  # as a crash-unsafe promote would leave it
+        atomic_write_json(paths["registry_dir"] / "CURRENT", {"version": version, "since": 0, "reason": "test"})
+
+    stop = threading.Event()
+    thread = threading.Thread(target=trainer.run, args=(stop,))
+    with caplog.at_level(logging.DEBUG, logger="online_opd.train.online"):
+        point_current_at(torn)
+        thread.start()
+        for _ in range(2):  # two occurrences, each failing many polls in a row
+            deadline, target = time.monotonic() + 30, trainer.stats()["errors"] + 5
+            while trainer.stats()["errors"] < target and time.monotonic() < deadline:
+                time.sleep(0.02)
+            errors = trainer.stats()["errors"]
+            point_current_at("v0001")
+            while trainer.stats()["status"] != "training" and time.monotonic() < deadline:
+                time.sleep(0.02)
+            point_current_at(torn)
+            while trainer.stats()["errors"] == errors and time.monotonic() < deadline:
+                time.sleep(0.02)
+        stop.set()
+        thread.join(30)
+    logged = [r for r in caplog.records if r.levelno >= logging.ERROR and "failed at step" in r.getMessage()]
+    assert trainer.stats()["errors"] >= 11 and len(logged) == 3, [r.getMessage() for r in logged]
+    assert all(r.exc_info and "sha256" in str(r.exc_info[1]) for r in logged)
 
 
 def test_sft_objective_is_refused(world, tmp_path):

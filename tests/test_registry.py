@@ -4,15 +4,24 @@ from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import threading
 from pathlib import Path
 
 import pytest
 
-from online_opd.models.drafters.checkpoint import WEIGHTS_FILE, load_drafter, save_drafter, verify_checkpoint
-from online_opd.release.registry import DrafterRegistry, RegistryError
+from online_opd.models.drafters.checkpoint import (
+    CONFIG_FILE,
+    MANIFEST_FILE,
+    WEIGHTS_FILE,
+    load_drafter,
+    save_drafter,
+    sha256_file,
+    verify_checkpoint,
+)
+from online_opd.release.registry import CurrentMovedError, DrafterRegistry, RegistryError
 from serve import drafters_cli
-from tests.tiny import tiny_drafter, tiny_target
+from tests.tiny import tiny_drafter, tiny_eagle3_drafter, tiny_target
 
 
 @pytest.fixture(scope="module")
@@ -52,6 +61,29 @@ def test_publish_copies_a_verified_checkpoint_folder(reg, drafter, tmp_path):
         reg.publish(src)
     with pytest.raises(RegistryError, match="not a drafter checkpoint"):
         reg.publish(tmp_path / "nowhere")
+    assert [v.version for v in reg.list()] == ["v0001"]
+
+
+def _drop_manifest_method(folder: Path, config: dict | None = None) -> Path:
+    """A checkpoint folder whose manifest does not name its method (optionally with another config)."""
+    manifest = json.loads((folder / MANIFEST_FILE).read_text())
+    del manifest["method"]
+    if config is not None:
+        (folder / CONFIG_FILE).write_text(json.dumps(config))
+        manifest["files"][CONFIG_FILE] = sha256_file(folder / CONFIG_FILE)
+    (folder / MANIFEST_FILE).write_text(json.dumps(manifest))
+    return folder
+
+
+def test_publish_reads_the_method_from_config_json_when_the_manifest_lacks_it(reg, tmp_path):
+    eagle3 = _drop_manifest_method(save_drafter(tiny_eagle3_drafter(), tmp_path / "eagle3"))
+    assert reg.publish(eagle3).method == "eagle3"
+    config = json.loads((eagle3 / CONFIG_FILE).read_text())
+    foreign = _drop_manifest_method(save_drafter(tiny_eagle3_drafter(), tmp_path / "foreign"),
+                                    dict(config, architectures=["LlamaForCausalLM"]))
+    with pytest.raises(RegistryError, match=r"cannot publish .*foreign: unsupported drafter architectures "
+                                            r"\['LlamaForCausalLM'\].*'DFlashDraftModel'"):
+        reg.publish(foreign)
     assert [v.version for v in reg.list()] == ["v0001"]
 
 
@@ -211,3 +243,103 @@ def test_cli_list_show_promote_rollback(tmp_path, drafter, capsys, monkeypatch):
     rc, out = _cli(["drafters", "history"], capsys)
     events = [e["event"] for e in out["events"]]
     assert events == ["publish", "publish", "promote", "promote", "mark_bad", "rollback"]
+
+
+def test_rollback_of_a_checked_version_refuses_once_current_moved(reg, drafter):
+    v1, v2, v3 = (reg.publish(drafter).version for _ in range(3))
+    reg.promote(v1)
+    reg.promote(v2)  # the reloader starts checking v2 live ...
+    reg.promote(v3)  # ... and v3 is promoted meanwhile
+    events = len(reg.history())
+    with pytest.raises(CurrentMovedError, match=f"not rolling back {v2}: CURRENT is {v3} now.*Nothing was changed"):
+        reg.rollback("v2 failed its live check", expected_current=v2)
+    assert reg.current().version == v3 and len(reg.history()) == events
+    assert reg.get(v2).status == reg.get(v3).status == "promoted"
+    assert reg.rollback("v3 failed", expected_current=v3).version == v2
+    assert reg.get(v3).status == "bad"
+
+
+def test_check_repairs_a_current_left_on_a_bad_version(reg, drafter):
+    assert reg.check() is None  # no CURRENT yet: nothing to check
+    v1, v2 = (reg.publish(drafter).version for _ in range(2))
+    reg.promote(v1)
+    reg.promote(v2)
+    assert reg.check() is None
+    reg.mark_bad(v2, "rolled back: live tau fell")  # a rollback that crashed before writing CURRENT
+    repair = reg.check()
+    assert repair == {"from": v2, "to": v1, "problem": "is marked bad (rolled back: live tau fell)"}
+    assert reg.current().version == v1
+    last = reg.history()[-1]
+    assert (last["event"], last["version"], last["from"]) == ("repair", v1, v2)
+    assert reg.check() is None
+
+
+def test_check_repairs_a_missing_or_corrupt_current_and_refuses_when_nothing_is_good(reg, drafter):
+    v1, v2, v3 = (reg.publish(drafter).version for _ in range(3))
+    for version in (v1, v2, v3):
+        reg.promote(version)
+    shutil.rmtree(reg.path(v3))
+    repair = reg.check()
+    assert (repair["from"], repair["to"]) == (v3, v2) and "unknown drafter version 'v0003'" in repair["problem"]
+    weights = reg.path(v2) / WEIGHTS_FILE
+    weights.write_bytes(weights.read_bytes()[:-8] + b"tampered")
+    repair = reg.check()
+    assert (repair["from"], repair["to"]) == (v2, v1) and "sha256 of model.safetensors" in repair["problem"]
+    reg.mark_bad(v1, "by hand")
+    with pytest.raises(RegistryError, match=f"CURRENT of .* is {v1}, which is marked bad .*promote one by hand"):
+        reg.check()
+    assert reg.current().version == v1  # nothing changed
+
+
+def test_check_repairs_a_current_that_is_not_a_json_pointer(reg, drafter):
+    v1, v2, v3 = (reg.publish(drafter).version for _ in range(3))
+    reg.promote(v1)
+    reg.promote(v2)  # v3 stays a candidate: never made current, never a repair target
+    for garbage in ('{"version": "v00', "", '["v0002"]'):
+        (reg.root / "CURRENT").write_text(garbage)
+        with pytest.raises(RegistryError, match="CURRENT: "):
+            reg.current()
+        repair = reg.check()
+        assert (repair["from"], repair["to"]) == (None, v2) and repair["problem"].startswith("is unreadable")
+        assert reg.current().version == v2
+    assert [e["event"] for e in reg.history()].count("repair") == 3 and reg.get(v3).status == "candidate"
+
+
+def test_retention_keeps_versions_ever_current_and_the_newest_others(tmp_path, drafter):
+    with pytest.raises(RegistryError, match="keep_unpromoted=0"):
+        DrafterRegistry(tmp_path / "r", keep_unpromoted=0)
+    reg = DrafterRegistry(tmp_path / "registry", keep_unpromoted=2)
+    v1 = reg.publish(drafter).version
+    reg.promote(v1)
+    for _ in range(2):
+        reg.reject(reg.publish(drafter).version, "gate failed")  # v2, v3
+    reg.publish(drafter)  # v4: three never-current versions, the oldest goes
+    assert [v.version for v in reg.list()] == ["v0001", "v0003", "v0004"]
+    reg.promote(reg.publish(drafter).version)  # v5 pushes v3 out before its promote
+    reg.mark_bad("v0004", "never served, never to be")
+    reg.reject(reg.publish(drafter).version, "gate failed")  # v6: v4 and v6 are the two kept
+    assert [v.version for v in reg.list()] == ["v0001", "v0004", "v0005", "v0006"]
+    pruned = [e["version"] for e in reg.history() if e["event"] == "prune"]
+    assert pruned == ["v0002", "v0003"]
+    assert not (reg.status_dir / "v0002.json").exists() and not (reg.versions_dir / "v0002").exists()
+    assert reg.publish(drafter).version == "v0007"  # names are never reused
+    assert reg.rollback("v5 fell live", expected_current="v0005").version == "v0001"
+    leftovers = [p.name for p in reg.versions_dir.iterdir() if p.name.startswith(".")]
+    assert leftovers == []
+
+
+def test_cli_finds_the_servers_registry_from_the_config_and_checks_it(tmp_path, drafter, capsys, monkeypatch):
+    monkeypatch.delenv("ONLINE_OPD_REGISTRY", raising=False)
+    config = tmp_path / "serve.yaml"
+    config.write_text(f"serve:\n  run_dir: {tmp_path / 'srv'}\n")
+    reg = DrafterRegistry(tmp_path / "srv" / "registry")  # where `online-opd serve -c serve.yaml` keeps it
+    v1, v2 = (reg.publish(drafter).version for _ in range(2))
+    reg.promote(v1)
+    reg.promote(v2)
+    reg.mark_bad(v2, "crashed mid-rollback")
+    rc, out = _cli(["drafters", "list", "-c", str(config)], capsys)
+    assert rc == 0 and out["registry"] == str(reg.root) and out["current"] == v2
+    rc, out = _cli(["drafters", "check", "-c", str(config)], capsys)
+    assert rc == 0 and out["current"] == v1 and out["repaired"]["from"] == v2
+    rc, out = _cli(["drafters", "list"], capsys)  # no config: the server's default folder
+    assert rc == 0 and out["registry"] == str(Path("runs/serve/registry"))

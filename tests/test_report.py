@@ -5,8 +5,10 @@ against a local HTTP server, and the Grafana dashboard's queries."""
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import http.server
 import json
+import math
 import re
 import threading
 from pathlib import Path
@@ -142,6 +144,17 @@ def test_report_from_buffer_cli(buffer, tmp_path, capsys):
     assert {tau for _, tau in b["series"]["v0002"]} == {4.0}
 
 
+def test_records_spanning_a_reload_count_pure_blocks_under_their_version(tmp_path):
+    base = make_record(0, "v0001", [(4, 1), (4, 2), (4, 3), (4, 4)], T0)
+    b0, b1, b2, b3 = base.blocks
+    spans = dataclasses.replace(base, blocks=(
+        b0, dataclasses.replace(b1, drafter_version="v0002", is_context_pure=False),
+        dataclasses.replace(b2, drafter_version="v0002"), dataclasses.replace(b3, drafter_version="v0002")))
+    SegmentWriter(tmp_path, writer_id="test").write([spans])
+    points, _ = report_mod.load_records(tmp_path)
+    assert [(p.version, p.blocks, p.accepted) for p in points] == [("v0001", 1, 1), ("v0002", 2, 7)]
+
+
 def test_rolling_tau_is_block_weighted_over_a_trailing_window():
     points = [RecordPoint(T0, "a", 1, 0), RecordPoint(T0 + 1, "a", 3, 3), RecordPoint(T0 + 10, "a", 1, 4),
               RecordPoint(T0 + 2, "b", 2, 2), RecordPoint(0.0, "a", 5, 5), RecordPoint(T0 + 3, "a", 0, 0)]
@@ -225,15 +238,36 @@ online_opd_reload_duration_seconds_sum 0.75
 """
 
 
-def test_parse_metrics_flattens_like_the_launcher():
-    m = parse_metrics(EXPOSITION)
-    assert m["vllm:spec_decode_num_drafts_total"] == 15.0  # engines summed
-    assert m["vllm:spec_decode_num_accepted_tokens_per_pos_total{position=0}"] == 7.0
-    assert m["online_opd_reloads_total{result=ok}"] == 2.0
-    assert m["online_opd_gate_tau{drafter=candidate,version=v2}"] == 3.5  # labels sorted
-    assert m["online_opd_reload_duration_seconds_bucket{le=+Inf}"] == 2.0
-    assert m["online_opd_reload_duration_seconds_sum"] == 0.75
-    assert m["online_opd_drafter_version"] != m["online_opd_drafter_version"]  # NaN
+ONE_ENGINE = """\
+vllm:spec_decode_num_drafts_total{model_name="other",engine="0"} 15.0
+vllm:spec_decode_num_accepted_tokens_per_pos_total{position="0",model_name="other",engine="0"} 7.0
+online_opd_reloads_total{result="ok"} 2.0
+online_opd_gate_tau{drafter="candidate",version="v2"} 3.5
+online_opd_drafter_version NaN
+online_opd_reload_duration_seconds_bucket{le="0.5"} 1.0
+online_opd_reload_duration_seconds_bucket{le="+Inf"} 2.0
+online_opd_reload_duration_seconds_count 2.0
+online_opd_reload_duration_seconds_sum 0.75
+"""
+
+
+def test_parse_metrics_keys_do_not_depend_on_engines_model_name_or_label_order():
+    two_engines = parse_metrics(EXPOSITION)
+    version = two_engines.pop("online_opd_drafter_version")
+    assert math.isnan(version)
+    assert two_engines == {
+        "vllm:spec_decode_num_drafts_total": 15.0,  # 10 + 5: engine 0 and engine 1 summed
+        "vllm:spec_decode_num_accepted_tokens_per_pos_total{position=0}": 7.0,
+        "online_opd_reloads_total{result=ok}": 2.0,
+        "online_opd_gate_tau{drafter=candidate,version=v2}": 3.5,  # written version=, drafter=: sorted
+        "online_opd_reload_duration_seconds_bucket{le=0.5}": 1.0,
+        "online_opd_reload_duration_seconds_bucket{le=+Inf}": 2.0,
+        "online_opd_reload_duration_seconds_count": 2.0,
+        "online_opd_reload_duration_seconds_sum": 0.75,
+    }
+    one_engine = parse_metrics(ONE_ENGINE)  # the same figures from one engine of another model name
+    assert math.isnan(one_engine.pop("online_opd_drafter_version"))
+    assert one_engine == two_engines
 
 
 def test_scrape_loop_skips_failures(tmp_path, monkeypatch):

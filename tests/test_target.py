@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 
+from online_opd.files import sha256_file
 from online_opd.models import target
 from online_opd.models.target import (
     EMBEDDED_MODEL_NAME,
@@ -120,7 +121,7 @@ def test_corruption_detected_and_rebuilt(cache, reuse_gguf):
     ensure_embedded_target(cache, progress=False)  # the cheap size check cannot see it
     assert _mtimes(folder) == before
     ensure_embedded_target(cache, progress=False, verify=True)
-    assert target._sha256(weights) == expected["sha256"]
+    assert sha256_file(weights) == expected["sha256"]
     os.truncate(weights, 1000)  # a truncated file fails even the cheap check
     ensure_embedded_target(cache, progress=False)
     assert weights.stat().st_size == expected["size"]

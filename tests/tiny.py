@@ -6,6 +6,7 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from online_opd.models.drafters.dflash import DFlashConfig, DFlashDrafter, init_weights
+from online_opd.models.drafters.eagle3 import Eagle3Config, Eagle3Drafter
 from online_opd.models.target_model import TargetModel
 
 VOCAB = 64
@@ -30,6 +31,20 @@ def tiny_drafter(target: TargetModel | None = None, *, block_size: int = 4, seed
                        rope_theta=10000.0, max_position_embeddings=512)
     drafter = DFlashDrafter(cfg)
     init_weights(drafter, std=std, seed=seed)
+    target = target or tiny_target()
+    drafter.attach_target(target.embed_weight, target.lm_head_weight)
+    return drafter
+
+
+def tiny_eagle3_drafter(target: TargetModel | None = None, *, block_size: int = 4,
+                        seed: int = 0) -> Eagle3Drafter:
+    """An EAGLE-3 head over `tiny_target`'s layers 0, 1, 2 (vLLM aux ids 1, 2, 3)."""
+    cfg = Eagle3Config(hidden_size=32, num_layers=1, num_heads=4, num_kv_heads=2, head_dim=8,
+                       intermediate_size=64, vocab_size=VOCAB, target_layer_ids=(0, 1, 2),
+                       block_size=block_size, rms_norm_eps=1e-6, rope_theta=10000.0,
+                       max_position_embeddings=512)
+    drafter = Eagle3Drafter(cfg)
+    init_weights(drafter, seed=seed)
     target = target or tiny_target()
     drafter.attach_target(target.embed_weight, target.lm_head_weight)
     return drafter

@@ -2,9 +2,13 @@
 
 - ``register`` is the ``vllm.general_plugins`` entry point (pyproject.toml). vLLM
   calls it in the API server, the engine core and every worker process. It
-  installs the capture hook (``capture.py``) only when online-opd capture is
-  configured through the ``ONLINE_OPD_CAPTURE`` environment variable (set by
-  ``online-opd serve``); otherwise it changes nothing.
+  always applies the CPU kernel fixes (``cpu_fixes.py``: vLLM 0.32 on the CPU
+  platform only), and installs the capture hook (``capture.py``) only when
+  online-opd capture is configured through the ``ONLINE_OPD_CAPTURE``
+  environment variable (set by ``online-opd serve``), with the admission check
+  of the capture opt-out flag (``request_checks.py``). With ``ONLINE_OPD_SPECULATION``
+  (``online-opd serve --speculation auto``) it installs the speculation control
+  (``speculation.py``: the runtime K schedule, step costs, exploration).
 - ``worker_ext.OnlineOPDWorkerExtension`` is passed as ``--worker-extension-cls``:
   drafter hot reload and capture figures, called with ``collective_rpc``.
 - ``endpoint.OnlineOPDEndpoints`` is the ``vllm.endpoint_plugins`` entry point:
@@ -25,21 +29,23 @@ logger = logging.getLogger("online_opd.vllm_patches")
 SUPPORTED_VLLM = ("0.32.0", "0.33.0")
 #: JSON capture settings for engine processes (see capture.CaptureSettings).
 CAPTURE_ENV = "ONLINE_OPD_CAPTURE"
+#: JSON speculation-control settings for the engine core (see speculation.SpeculationSettings).
+SPECULATION_ENV = "ONLINE_OPD_SPECULATION"
 
 
 class UnsupportedVLLMVersion(RuntimeError):
     """The installed vLLM is outside the range the hooks were written for."""
 
 
-def check_vllm_version(version: str | None = None) -> str:
-    """Return the installed vLLM version, or raise UnsupportedVLLMVersion outside SUPPORTED_VLLM."""
+def check_vllm_version(version: str | None = None, bounds: tuple[str, str] = SUPPORTED_VLLM) -> str:
+    """Return the installed vLLM version, or raise UnsupportedVLLMVersion outside bounds."""
     from packaging.version import Version
 
     if version is None:
         import vllm
 
         version = vllm.__version__
-    low, high = SUPPORTED_VLLM
+    low, high = bounds
     # base_version drops local/dev tags ("0.32.0+cpu" -> "0.32.0")
     if not Version(low) <= Version(Version(version).base_version) < Version(high):
         raise UnsupportedVLLMVersion(
@@ -50,10 +56,19 @@ def check_vllm_version(version: str | None = None) -> str:
 
 
 def register() -> None:
-    """``vllm.general_plugins`` entry point: install the capture hook when configured."""
+    """``vllm.general_plugins`` entry point: CPU kernel fixes always, the capture hook when configured."""
+    from vllm_patches import cpu_fixes
+
+    cpu_fixes.apply()
+    if os.environ.get(SPECULATION_ENV):
+        check_vllm_version()
+        from vllm_patches import speculation
+
+        speculation.install_from_env()  # acts in the engine core, where the scheduler lives
     if not os.environ.get(CAPTURE_ENV):
         return
     check_vllm_version()
-    from vllm_patches import capture
+    from vllm_patches import capture, request_checks
 
+    request_checks.install()  # in the API server: a malformed opt-out flag gets vLLM's 400
     capture.install_from_env()

@@ -16,14 +16,38 @@ are (with async scheduling the scheduler only sees placeholder drafts):
   ``AsyncModelRunnerOutput`` whose ``get_output()`` vLLM calls later, after its
   own host copy; we read the step there, so the capture adds no device sync.
 - ``_update_states`` sees new requests (prompt ids, sampling parameters: the
-  sample/opt-out decision is made here), preemptions and finished requests. A
-  finished request's blocks are joined with its prompt and output ids into a
-  SequenceRecord and handed to the buffer writer's queue (``submit`` never
-  blocks: when the writer falls behind, records are dropped and counted).
+  sample/opt-out decision is made here), the requests scheduled in the step,
+  preemptions and finished requests. A finished request's blocks are joined
+  with its prompt and output ids into a SequenceRecord and handed to the buffer
+  writer's queue (``submit`` never blocks: when the writer falls behind,
+  records are dropped and counted).
 
-Output ids are the tokens the worker sampled. They are cut at ``max_tokens``
-and at the first stop token id; tokens after a *stop string* (matched by the
-front end on text) stay in the record: they are still the target's tokens.
+Preemptions. Async scheduling may read step S's output after step S+1 was
+scheduled, i.e. after a preemption decided there. So each step snapshot
+carries the request's preemption count, and the chain break is recorded when
+the first block of a later count is appended, after the last one before it.
+
+Drafter versions (records.py). The block verified in step S was drafted when
+the request last ran, in S' < S; a reload (``set_version``, an RPC between
+steps) may fall between. Each request keeps the (version, context purity) of
+its last step and each block takes its drafting step's. The drafter's context
+K/V stay in the paged KV cache: after a reload a running request's context is
+mixed until a preemption recomputes it, and prefix-cache hits are mixed unless
+the endpoint reset the cache with the reload (``is_cache_reset``).
+
+Plain steps. The number of drafted tokens may change per step, down to none
+(``num_speculative_tokens_per_batch_size`` with k = 0, or an engine without a
+drafter at all): a step that verifies no block for a request (no
+``spec_decode_metadata``, or ``num_draft_tokens`` 0 for it) still appends its
+one sampled token and counts as a plain step; the next block carries the
+count (``BlockRecord.num_plain_steps``), so the chain stays checkable. A request
+that never speculated yields a record with its tokens and no blocks: the
+trainer simulates blocks on it (online_opd/train/online.py).
+
+Output ids are the tokens the worker sampled, cut where vLLM's scheduler cuts
+them (``kept_output_ids``): at ``max_tokens`` or after the first stop token id.
+Tokens after a *stop string* (matched by the front end on text) stay in the
+record: they are still the target's tokens.
 Blocks drafted after the last kept token are dropped.
 
 Only one rank captures (tensor-parallel rank 0 of the last pipeline stage).
@@ -41,18 +65,17 @@ import time
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from pydantic import BaseModel, ConfigDict
 
 from online_opd.traces.records import BlockRecord, SequenceRecord
 from online_opd.traces.writer import BufferWriter
+from vllm_patches.request_checks import OPT_OUT_KEY, read_capture_flag
 
 logger = logging.getLogger("online_opd.capture")
 
-#: ``vllm_xargs`` key a client sets to false to keep its request out of the buffer.
-OPT_OUT_KEY = "online_opd_capture"
 
 
 class CaptureSettings(BaseModel):
@@ -77,12 +100,28 @@ class CaptureSettings(BaseModel):
 
 
 def opted_out(sampling_params: Any) -> bool:
-    """True when the request asked not to be captured (``vllm_xargs={"online_opd_capture": false}``)."""
+    """True when the request asked not to be captured (``vllm_xargs={"online_opd_capture": false}``).
+
+    A value that reads neither yes nor no is refused at admission (request_checks.py); should one
+    get here all the same (an engine used without the API server), it counts as an opt-out.
+    """
     extra = getattr(sampling_params, "extra_args", None) or {}
-    value = extra.get(OPT_OUT_KEY, True)
-    if isinstance(value, str):
-        return value.strip().lower() in {"0", "false", "no", "off"}
-    return value is False or value == 0
+    return read_capture_flag(extra.get(OPT_OUT_KEY, True)) is not True
+
+
+def kept_output_ids(sampled: list[int], max_tokens: int | None, stop_ids: frozenset[int]) -> list[int]:
+    """The output ids vLLM returns for a request whose worker sampled ``sampled``.
+
+    vLLM's scheduler appends the sampled ids one at a time and ends the request at
+    the first one in ``stop_ids`` (eos unless ignore_eos, and stop_token_ids), which
+    it keeps, or once ``max_tokens`` are out (v1/core/sched/utils.py ``check_stop``).
+    ``min_tokens`` plays no part there: the sampler masks stop ids until then.
+    """
+    limit = len(sampled) if max_tokens is None else min(len(sampled), max_tokens)
+    for j in range(limit):
+        if sampled[j] in stop_ids:
+            return sampled[: j + 1]
+    return sampled[:limit]
 
 
 @dataclass
@@ -92,30 +131,53 @@ class _Tracked:
     top_p: float
     top_k: int
     max_tokens: int | None
-    min_tokens: int
     stop_ids: frozenset[int]
     version: str
+    is_context_pure: bool  # every drafter K/V the request holds was computed by the serving weights
     outputs: list[int] = field(default_factory=list)
     blocks: list[BlockRecord] = field(default_factory=list)
     events: list[dict] = field(default_factory=list)
+    num_preemptions: int = 0
+    drafted_by: tuple[str, bool] = ("", True)  # (version, is pure) of the last step that drafted for it
+    verifying: tuple[str, bool] = ("", True)  # the same for the block verified in the current step
+    preemptions_at_last_block: int = 0
+    num_plain_steps: int = 0  # steps that gave it a token without verifying a block, since its last block
 
-    def last_anchor(self) -> int:
-        return self.blocks[-1].anchor if self.blocks else len(self.prompt) - 1
+    def append_block(self, block: _Drafted, ids: list[int], num_accepted: int) -> None:
+        """Append a verified block; mark a break after the previous one if a preemption fell between."""
+        if self.blocks and block.num_preemptions != self.preemptions_at_last_block:
+            self.events.append({"anchor_before": self.blocks[-1].anchor, "kind": "preemption"})
+        self.preemptions_at_last_block = block.num_preemptions
+        self.blocks.append(BlockRecord(block.anchor, tuple(ids), num_accepted, drafter_version=block.version,
+                                       is_context_pure=block.is_context_pure,
+                                       num_plain_steps=self.num_plain_steps))
+        self.num_plain_steps = 0
+
+
+class _Drafted(NamedTuple):
+    """One tracked request's block in a step snapshot."""
+
+    anchor: int
+    offset: int  # into the step's flat draft ids
+    count: int
+    version: str  # drafted by
+    is_context_pure: bool
+    num_preemptions: int  # the request's preemptions when the step ran
 
 
 @dataclass
 class _Step:
     """Drafted blocks of one engine step for the tracked requests, host copy pending."""
 
-    blocks: dict[str, tuple[int, int, int]]  # req_id -> (anchor, offset, count) into draft_ids
+    blocks: dict[str, _Drafted]  # req_id -> its block
     draft_ids: torch.Tensor  # flat host tensor (may still be in flight)
     ready: Any  # a device event, or None when the copy is already done
 
-    def drafts(self) -> dict[str, tuple[int, list[int]]]:
+    def drafts(self) -> dict[str, tuple[_Drafted, list[int]]]:
         if self.ready is not None:
             self.ready.synchronize()
         flat = self.draft_ids.tolist()
-        return {rid: (anchor, flat[off:off + n]) for rid, (anchor, off, n) in self.blocks.items()}
+        return {rid: (b, flat[b.offset:b.offset + b.count]) for rid, b in self.blocks.items()}
 
 
 class Capture:
@@ -124,6 +186,7 @@ class Capture:
     def __init__(self, settings: CaptureSettings):
         self.settings = settings
         self.version = settings.drafter_version
+        self._is_cache_pure = True  # every K/V in the prefix cache was computed by `version`
         self._tracked: dict[str, _Tracked] = {}
         self._lock = threading.Lock()
         self._rng = random.Random(settings.seed)
@@ -134,13 +197,17 @@ class Capture:
 
     # -- engine events -------------------------------------------------------------------------
     def on_schedule(self, scheduler_output: Any) -> None:
-        """New, preempted and finished requests of a step (called before vLLM updates its state)."""
+        """New, preempted, scheduled and finished requests of a step (before vLLM updates its state)."""
         with self._lock:
             for new in scheduler_output.scheduled_new_reqs:
                 self._start(new)
             for rid in getattr(scheduler_output, "preempted_req_ids", None) or ():
+                if (t := self._tracked.get(rid)) is not None:  # recomputed on resume, maybe from the cache
+                    t.num_preemptions += 1
+                    t.is_context_pure = self._is_cache_pure
+            for rid in scheduler_output.num_scheduled_tokens:
                 if (t := self._tracked.get(rid)) is not None:
-                    t.events.append({"anchor_before": t.last_anchor(), "kind": "preemption"})
+                    t.verifying, t.drafted_by = t.drafted_by, (self.version, t.is_context_pure)
             finished = [rid for rid in scheduler_output.finished_req_ids if rid in self._tracked]
             done = [self._tracked.pop(rid) for rid in finished]
         for t in done:
@@ -151,12 +218,12 @@ class Capture:
         with self._lock:
             if not self._tracked:
                 return None
-            blocks: dict[str, tuple[int, int, int]] = {}
+            blocks: dict[str, _Drafted] = {}
             offset = 0
             computed = input_batch.num_computed_tokens_cpu
             for i, (rid, n) in enumerate(zip(input_batch.req_ids, metadata.num_draft_tokens)):
-                if n > 0 and rid in self._tracked:
-                    blocks[rid] = (int(computed[i]), offset, int(n))
+                if n > 0 and (t := self._tracked.get(rid)) is not None:
+                    blocks[rid] = _Drafted(int(computed[i]), offset, int(n), *t.verifying, t.num_preemptions)
                 offset += n
         if not blocks:
             return None
@@ -171,19 +238,22 @@ class Capture:
                 t = self._tracked.get(rid)
                 if t is None or not tokens:
                     continue  # not tracked, or a discarded sample (partial prefill)
-                if rid in drafts:
-                    anchor, ids = drafts[rid]
-                    if ids and min(ids) >= 0:  # the drafter ran (ids are real, not padding)
-                        t.blocks.append(BlockRecord(anchor, tuple(ids), len(tokens) - 1))
+                block, ids = drafts.get(rid, (None, []))
+                if ids and min(ids) >= 0:  # the drafter ran (ids are real, not padding)
+                    t.append_block(block, ids, len(tokens) - 1)
+                else:  # a plain step: K = 0 for this request, or no speculation in the step at all
+                    t.num_plain_steps += 1
                 t.outputs.extend(tokens)
 
-    def set_version(self, version: str) -> None:
-        """A new drafter serves from the next step on: mark it in the requests in flight."""
+    def set_version(self, version: str, is_cache_reset: bool = False) -> None:
+        """A new drafter serves from the next step on. The context K/V of the requests in flight
+        came from the old weights; ``is_cache_reset``: the caller reset the prefix cache (and
+        preempted every running request) before loading, so no old K/V can be reused."""
         with self._lock:
             self.version = version
+            self._is_cache_pure = is_cache_reset
             for t in self._tracked.values():
-                t.events.append({"anchor_before": t.last_anchor(), "kind": "drafter_reload",
-                                 "version": version})
+                t.is_context_pure = False
 
     # -- figures ---------------------------------------------------------------------------------
     def stats(self) -> dict:
@@ -222,23 +292,22 @@ class Capture:
         stop = set(sp.stop_token_ids or ())
         if not sp.ignore_eos and getattr(sp, "eos_token_id", None) is not None:
             stop.add(sp.eos_token_id)
+        is_cache_hit = int(getattr(new, "num_computed_tokens", 0) or 0) > 0
         self._tracked[new.req_id] = _Tracked(
             prompt=list(new.prompt_token_ids), temperature=float(sp.temperature),
             top_p=float(sp.top_p), top_k=max(int(sp.top_k or 0), 0), max_tokens=sp.max_tokens,
-            min_tokens=int(sp.min_tokens or 0), stop_ids=frozenset(stop), version=self.version)
+            stop_ids=frozenset(stop), version=self.version,
+            is_context_pure=self._is_cache_pure or not is_cache_hit)
 
     def _finish(self, t: _Tracked) -> None:
-        outputs = t.outputs[: t.max_tokens] if t.max_tokens is not None else t.outputs
-        for j, tok in enumerate(outputs):
-            if j + 1 >= t.min_tokens and tok in t.stop_ids:
-                outputs = outputs[: j + 1]
-                break
+        outputs = kept_output_ids(t.outputs, t.max_tokens, t.stop_ids)
         if not outputs:
             return
         tokens = t.prompt + outputs
         blocks = tuple(b for b in t.blocks if b.anchor <= len(tokens) - 2)
         record = SequenceRecord(
-            record_id=uuid.uuid4().hex, model_id=self.settings.model_id, drafter_version=t.version,
+            record_id=uuid.uuid4().hex, model_id=self.settings.model_id,
+            drafter_version=blocks[0].drafter_version if blocks else t.version,
             temperature=t.temperature, top_p=t.top_p, top_k=t.top_k, tokens=tuple(tokens),
             prompt_len=len(t.prompt), blocks=blocks, events=tuple(t.events), captured_at=time.time())
         if self._get_writer().submit(record):
@@ -300,8 +369,7 @@ def install(settings: CaptureSettings) -> Capture:
     def _enabled(runner: Any) -> bool:
         enabled = getattr(runner, "_online_opd_capture", None)
         if enabled is None:
-            enabled = runner._online_opd_capture = (
-                runner.speculative_config is not None and _is_capturing_rank())
+            enabled = runner._online_opd_capture = _is_capturing_rank()  # with or without speculation
         return enabled
 
     def _update_states(self, scheduler_output, *args, **kwargs):

@@ -16,7 +16,9 @@ from prometheus_client import Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector, CollectorRegistry
 
+from online_opd.release.live_check import latest_windows
 from online_opd.release.registry import version_number
+from online_opd.traces.records import acceptance_length
 
 PREFIX = "online_opd"
 
@@ -54,10 +56,16 @@ class PolledCollector(Collector):
             yield family
         writer = capture.get("writer") or {}
         for key, name, doc in [("buffer_bytes", "buffer_bytes", "Bytes of trace-buffer segments on disk."),
-                               ("buffer_segments", "buffer_segments", "Trace-buffer segment files on disk.")]:
+                               ("buffer_segments", "buffer_segments", "Trace-buffer segment files on disk."),
+                               ("held", "buffer_held_records",
+                                "Records held in memory while buffer writes fail (written once one succeeds).")]:
             family = GaugeMetricFamily(f"{PREFIX}_{name}", doc)
             family.add_metric([], float(writer.get(key, 0)))
             yield family
+        errors = CounterMetricFamily(f"{PREFIX}_buffer_write_errors",
+                                     "Failed segment writes (read-only or full disk, ...): held and retried.")
+        errors.add_metric([], float(writer.get("write_errors", 0)))
+        yield errors
         version = status.get("version")
         family = GaugeMetricFamily(f"{PREFIX}_drafter_version",
                                    "Drafter version the engine serves (number in its name).")
@@ -70,17 +78,26 @@ class PolledCollector(Collector):
 
 
 class TrainerCollector(Collector):
-    """Exposes the online trainer's latest stats (serve/trainer_actor.trainer_stats)."""
+    """Exposes the online trainer's latest stats (serve/trainer_process.py): ``None`` or
+    ``{"up": False, ...}`` while it cannot answer; ``restarts`` (``{"actor": n, "ray": m}``) either way."""
 
     def __init__(self, latest: Callable[[], dict | None]):
         self._latest = latest
 
     def collect(self):
-        stats = self._latest()
+        stats = self._latest() or {}
+        is_up = bool(stats) and stats.get("up", True)
         up = GaugeMetricFamily(f"{PREFIX}_trainer_up", "1 while the online trainer answers, else 0.")
-        up.add_metric([], 1.0 if stats else 0.0)
+        up.add_metric([], 1.0 if is_up else 0.0)
         yield up
-        if not stats:
+        if stats.get("restarts") is not None:
+            restarts = CounterMetricFamily(
+                f"{PREFIX}_trainer_restarts", "Trainer restarts: of the actor by Ray (actor), of Ray and "
+                "the trainer process after they died (ray).", labels=["level"])
+            for level in ("actor", "ray"):
+                restarts.add_metric([level], float(stats["restarts"].get(level, 0)))
+            yield restarts
+        if not is_up:
             return
         for key, name, doc in [
             ("steps", "trainer_steps", "Online trainer optimizer steps."),
@@ -88,6 +105,8 @@ class TrainerCollector(Collector):
             ("train_seconds", "trainer_step_seconds", "Seconds spent in optimizer steps (replay + update)."),
             ("records_seen", "trainer_records_seen", "Buffer records read by the trainer."),
             ("records_invalid", "trainer_records_invalid", "Records failing capture fidelity (skipped)."),
+            ("records_simulated", "trainer_records_simulated",
+             "Replays on blocks the current drafter simulated (records served mostly without speculation)."),
             ("errors", "trainer_errors", "Failed trainer steps or gates (logged, training continues)."),
             ("gates", "gate_runs", "Gate evaluations of a candidate drafter."),
             ("promotions", "gate_promotions", "Candidates promoted by the gate."),
@@ -125,9 +144,9 @@ class TrainerCollector(Collector):
 class ServedAcceptance:
     """Live acceptance per drafter version, from vLLM's own spec-decode counters.
 
-    ``update`` attributes counter increments to the version serving at the time;
-    ``recent_tau`` is the tau of a version's last ``n`` drafts (the live check's
-    baseline), ``since_tau`` the tau since a version started serving.
+    ``update`` attributes counter increments to the version serving at the time,
+    one ``(drafts, accepted)`` window per poll; ``recent`` gives a version's
+    newest windows (the live check's baseline), ``since`` those since a reload.
     """
 
     def __init__(self) -> None:
@@ -146,22 +165,17 @@ class ServedAcceptance:
         pairs = self.windows.get(version, [])
         return sum(d for d, _ in pairs), sum(a for _, a in pairs)
 
-    def recent_tau(self, version: str, n: int) -> tuple[float | None, float]:
-        drafts = accepted = 0.0
-        for d, a in reversed(self.windows.get(version, [])):
-            drafts, accepted = drafts + d, accepted + a
-            if drafts >= n:
-                break
-        return (1.0 + accepted / drafts if drafts else None), drafts
+    def recent(self, version: str, min_drafts: int, min_windows: int) -> list[tuple[float, float]]:
+        """A version's newest windows holding ``min_drafts`` drafts in ``min_windows`` (a baseline)."""
+        return latest_windows(self.windows.get(version, []), min_drafts, min_windows)
 
     def mark(self, version: str) -> int:
         """Position in a version's window list (to measure "since" a reload)."""
         return len(self.windows.get(version, []))
 
-    def since_tau(self, version: str, start: int) -> tuple[float | None, float]:
-        pairs = self.windows.get(version, [])[start:]
-        drafts, accepted = sum(d for d, _ in pairs), sum(a for _, a in pairs)
-        return (1.0 + accepted / drafts if drafts else None), drafts
+    def since(self, version: str, start: int) -> list[tuple[float, float]]:
+        """A version's windows from position ``start`` (a ``mark``) on."""
+        return list(self.windows.get(version, [])[start:])
 
     def collect_family(self) -> GaugeMetricFamily:
         family = GaugeMetricFamily(f"{PREFIX}_served_acceptance_length",
@@ -169,8 +183,9 @@ class ServedAcceptance:
                                    labels=["version"])
         for version in self.windows:
             drafts, accepted = self.totals(version)
-            if drafts:
-                family.add_metric([version], 1.0 + accepted / drafts)
+            tau = acceptance_length(accepted, drafts)
+            if tau is not None:
+                family.add_metric([version], tau)
         return family
 
 
@@ -198,4 +213,80 @@ def server_metrics(registry: CollectorRegistry) -> dict[str, Any]:
                              registry=registry),
         "poll_errors": Counter(f"{PREFIX}_status_poll_errors", "Failed polls of the engine's status.",
                                registry=registry),
+        "registry_errors": Counter(f"{PREFIX}_registry_errors",
+                                   "Reloader polls that found the registry's CURRENT unreadable or unservable.",
+                                   registry=registry),
+        "registry_repairs": Counter(f"{PREFIX}_registry_repairs",
+                                    "CURRENT moved to the newest good version by the reloader's check().",
+                                    registry=registry),
     }
+
+
+def batch_size_bucket(batch_size: int) -> str:
+    """Powers of two, for a low-cardinality label: 1, 2-3, 4-7, 8-15, ..."""
+    low = 1 << (max(batch_size, 1).bit_length() - 1)
+    return "1" if low == 1 else f"{low}-{2 * low - 1}"
+
+
+class SpeculationCollector(Collector):
+    """The speculation policy's figures (vllm_patches/speculation_loop.py), from its latest update.
+
+    PromQL: ``online_opd_spec_k`` is the K per batch-size range serving now;
+    ``online_opd_policy_measured_tokens_per_second / online_opd_policy_predicted_tokens_per_second``
+    is near 1 when the cost model holds; ``rate(online_opd_spec_steps_total{kind="explored"}[5m]) /
+    rate(online_opd_spec_steps_total{kind="all"}[5m])`` is the recent exploration share.
+    """
+
+    def __init__(self, latest: Callable[[], dict | None]):
+        self._latest = latest
+
+    def collect(self):
+        state = self._latest()
+        if not state:
+            return
+        k = GaugeMetricFamily(f"{PREFIX}_spec_k", "Speculative tokens per step by batch-size range "
+                              "(the policy's schedule).", labels=["batch_size_range"])
+        for first, last, num in state["schedule"]:
+            k.add_metric([f"{first}-{last}"], float(num))
+        yield k
+        yield self._step_seconds(state["costs"])
+        steps = CounterMetricFamily(f"{PREFIX}_spec_steps", "Engine steps seen by the speculation control: "
+                                    "all, explored (K set by exploration), timed (steady decode).",
+                                    labels=["kind"])
+        for kind, key in (("all", "steps"), ("explored", "explored_steps"), ("timed", "timed_steps")):
+            steps.add_metric([kind], float(state.get(key) or 0))
+        yield steps
+        share = GaugeMetricFamily(f"{PREFIX}_spec_exploration_share", "Explored steps / all steps since start.")
+        share.add_metric([], state["explored_steps"] / state["steps"] if state.get("steps") else 0.0)
+        yield share
+        for key, name, doc in [
+            ("predicted_tokens_per_s", "policy_predicted_tokens_per_second",
+             "Output tokens/s the cost model predicts for the last interval's steady steps."),
+            ("measured_tokens_per_s", "policy_measured_tokens_per_second",
+             "Output tokens/s measured over the last interval's steady steps.")]:
+            if state.get(key) is not None:
+                family = GaugeMetricFamily(f"{PREFIX}_{name}", doc)
+                family.add_metric([], float(state[key]))
+                yield family
+        accept = GaugeMetricFamily(f"{PREFIX}_policy_acceptance", "Acceptance a_k = P(at least k accepted) "
+                                   "the policy used, by draft position.", labels=["position"])
+        for position, a in enumerate(state["acceptance_used"], start=1):
+            accept.add_metric([str(position)], float(a))
+        yield accept
+        changes = CounterMetricFamily(f"{PREFIX}_policy_changes", "Speculation schedule changes applied.")
+        changes.add_metric([], float(state.get("num_changes") or 0))
+        yield changes
+
+    @staticmethod
+    def _step_seconds(rows: list[list[float]]) -> GaugeMetricFamily:
+        family = GaugeMetricFamily(f"{PREFIX}_spec_step_seconds", "Measured seconds per steady engine step "
+                                   "by batch-size bucket and K (step-weighted mean).", labels=["batch_size", "k"])
+        sums: dict[tuple[str, int], list[float]] = {}
+        for b, k, seconds, num_steps, *_ in rows:
+            acc = sums.setdefault((batch_size_bucket(int(b)), int(k)), [0.0, 0.0])
+            acc[0] += seconds * num_steps
+            acc[1] += num_steps
+        for (bucket, k), (total, n) in sorted(sums.items()):
+            if n:
+                family.add_metric([bucket, str(k)], total / n)
+        return family

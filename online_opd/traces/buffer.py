@@ -2,7 +2,7 @@
 
 Serving replicas capture records (vllm_patches/) and hand them to a
 ``BufferWriter`` (online_opd/traces/writer.py), whose background thread batches them into segment files;
-the trainer tails the directory with a ``BufferReader`` (DESIGN.md "Buffer").
+the trainer tails the directory with a ``BufferReader`` (docs/architecture.md#buffer-segments).
 
 Segment files. One Parquet file per batch, named
 ``seg-{unix_ms:013d}-{writer_id}-{seq:06d}-{sha256[:32]}.parquet``: names sort
@@ -44,7 +44,6 @@ import os
 import re
 import socket
 import time
-import uuid
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -53,7 +52,8 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from online_opd.traces.records import SequenceRecord
+from online_opd.files import is_temp_name, replace_durably, write_temp_bytes
+from online_opd.traces.records import SequenceRecord, acceptance_length, pure_blocks_by_version
 
 logger = logging.getLogger(__name__)
 
@@ -70,13 +70,15 @@ SEGMENT_SCHEMA = pa.schema([
         ("anchor", pa.int32()),
         ("draft_tokens", pa.list_(pa.int32())),
         ("num_accepted", pa.int16()),
+        ("drafter_version", pa.string()),  # absent in older segments: read as null (the record's)
+        ("is_context_pure", pa.bool_()),  # absent in older segments: read as null (pure)
+        ("num_plain_steps", pa.int32()),  # absent in older segments: read as null (0)
     ]))),
     ("events", pa.string()),  # JSON list: events are free-form dicts
     ("captured_at", pa.float64()),
 ])
 
 _SEGMENT_RE = re.compile(r"^seg-(\d{13})-([A-Za-z0-9_]{1,32})-(\d{6})-([0-9a-f]{32})\.parquet$")
-_TMP_SUFFIX = ".tmp"
 _STALE_TMP_S = 3600.0  # a .tmp this old belongs to a writer that died mid-write
 
 
@@ -163,40 +165,19 @@ def decode_segment(data: bytes) -> list[SequenceRecord]:
 # ---------------------------------------------------------------- file-system access (local)
 
 
-def _fsync_dir(path: Path) -> None:
-    """Make a rename in ``path`` durable (POSIX; a no-op where directories cannot be opened)."""
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def _publish(root: Path, data: bytes, final_name_for: Callable[[], str]) -> Path:
-    """Write ``data`` under a temporary name, fsync, then rename to ``final_name_for()``.
+    """Write ``data`` to a durable temporary file, then rename it to ``final_name_for()``.
 
     The final name is chosen after the bytes are durable, so its timestamp is
     as close as possible to the moment the segment becomes visible.
     """
-    tmp = root / f".seg-{uuid.uuid4().hex[:12]}{_TMP_SUFFIX}"
+    tmp = write_temp_bytes(root / "seg", data)
     try:
-        with open(tmp, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
         final = root / final_name_for()
-        os.replace(tmp, final)
     except BaseException:
-        try:
-            os.remove(tmp)
-        except OSError:
-            pass
+        tmp.unlink(missing_ok=True)
         raise
-    _fsync_dir(root)
-    return final
+    return replace_durably(tmp, final)
 
 
 def _scan(root: Path) -> tuple[list[SegmentInfo], list[Path]]:
@@ -204,7 +185,7 @@ def _scan(root: Path) -> tuple[list[SegmentInfo], list[Path]]:
     segments, tmps = [], []
     with os.scandir(root) as entries:
         for entry in entries:
-            if entry.name.startswith(".") and entry.name.endswith(_TMP_SUFFIX):
+            if is_temp_name(entry.name):
                 tmps.append(Path(entry.path))
                 continue
             parsed = parse_segment_name(entry.name)
@@ -378,25 +359,29 @@ class BufferReader:
         """Whole-buffer figures (reads every segment): sizes, capture times, acceptance per drafter.
 
         ``tau`` is the mean accepted length per block, counting the target's own
-        token: ``1 + accepted / blocks``.
+        token: ``1 + accepted / blocks``. Each version counts the pure blocks it
+        drafted (records.py "Drafter versions"); ``mixed_blocks`` counts the rest.
         """
         infos = self.segments()
         per_version: dict[str, dict[str, Any]] = {}
-        records = 0
+        records, mixed_blocks = 0, 0
         captured = []
         for _, recs in self.iter_segments(None):
             for rec in recs:
                 records += 1
                 if rec.captured_at > 0:
                     captured.append(rec.captured_at)
-                v = per_version.setdefault(rec.drafter_version, {"records": 0, "blocks": 0,
-                                                                 "drafted_tokens": 0, "accepted_tokens": 0})
-                v["records"] += 1
-                v["blocks"] += len(rec.blocks)
-                v["drafted_tokens"] += sum(len(b.draft_tokens) for b in rec.blocks)
-                v["accepted_tokens"] += sum(b.num_accepted for b in rec.blocks)
+                by_version = pure_blocks_by_version(rec) or {rec.drafter_version: []}
+                mixed_blocks += len(rec.blocks) - sum(len(blocks) for blocks in by_version.values())
+                for version, blocks in by_version.items():
+                    v = per_version.setdefault(version, {"records": 0, "blocks": 0, "drafted_tokens": 0,
+                                                         "accepted_tokens": 0})
+                    v["records"] += 1
+                    v["blocks"] += len(blocks)
+                    v["drafted_tokens"] += sum(len(b.draft_tokens) for b in blocks)
+                    v["accepted_tokens"] += sum(b.num_accepted for b in blocks)
         for v in per_version.values():
-            v["tau"] = 1 + v["accepted_tokens"] / v["blocks"] if v["blocks"] else None
+            v["tau"] = acceptance_length(v["accepted_tokens"], v["blocks"])
             v["acceptance_rate"] = v["accepted_tokens"] / v["drafted_tokens"] if v["drafted_tokens"] else None
         return {
             "root": str(self.root),
@@ -407,4 +392,5 @@ class BufferReader:
             "oldest_captured_at": min(captured) if captured else None,
             "newest_captured_at": max(captured) if captured else None,
             "drafter_versions": dict(sorted(per_version.items())),
+            "mixed_blocks": mixed_blocks,
         }

@@ -2,9 +2,10 @@
 
 A ``SequenceRecord`` holds the token ids of one request (prompt + output),
 its sampling parameters, the drafter version that drafted it, and one
-``BlockRecord`` per drafted block the target verified (DESIGN.md "Block
-record" / "Sequence record"). ``check_fidelity`` tests the capture-fidelity
-contract that every record must satisfy before it is trained on.
+``BlockRecord`` per drafted block the target verified (see
+docs/architecture.md#block-record and #sequence-record). ``check_fidelity``
+tests the capture-fidelity contract (docs/architecture.md#capture-fidelity)
+that every record must satisfy before it is trained on.
 
 Scheduler events (``SequenceRecord.events``) are JSON dicts that mark a break
 in the block chain. Shape::
@@ -15,7 +16,30 @@ in the block chain. Shape::
 
 Across a marked break (between the block whose anchor is ``anchor_before`` and
 the block after it) anchors must still strictly increase, but the next anchor
-need not be ``a + r + 1``.
+need not be ``a + r + 1 + g``.
+
+Block lengths and plain steps. The server may draft a different number of
+tokens K at every step, down to none (vLLM num_speculative_tokens_per_batch_size
+with k = 0, or speculation off): blocks are 1..K tokens long, and a step that
+drafts nothing for a request is a *plain* step, which feeds the last verified
+token, and the target adds exactly one token of its own. ``num_plain_steps`` g
+of a block counts the plain steps since the previous block (for the first block:
+since the request started, its prefill step included), so after a block
+(a, r) the next block's anchor is exactly ``a + r + 1 + g``: the g tokens in
+between are the target's own, one per plain step, and a block lost by capture
+shows as a broken chain. A request that never speculated has no blocks at all,
+only its tokens. Records captured before the field existed read g = 0.
+
+Drafter versions. A hot reload can land while a request runs, so each block
+names the version whose weights drafted it (``BlockRecord.drafter_version``;
+None in records written before the field existed: the record's
+``drafter_version``, which is its first block's) and whether its drafter
+context was pure: every context K/V the drafter attended to (they live in
+vLLM's paged KV cache, computed once per token, shared through the prefix
+cache) was computed by those same weights. A mixed block (new weights over K/V
+the old ones computed) is still a valid training example, since replay
+recomputes q from the target's features, but it measures neither version:
+per-version acceptance figures count ``pure_blocks_by_version`` only.
 
 What lives elsewhere: capture (vllm_patches/), storage (online_opd/traces/buffer),
 replay of records into training tensors (online_opd/opd/replay.py).
@@ -32,24 +56,41 @@ class BlockRecord:
     """One drafted block: drafted at ``anchor``, verified by the target."""
 
     anchor: int  # index of the last verified token when the block was drafted
-    draft_tokens: tuple[int, ...]  # [K] proposed ids for positions anchor+1 .. anchor+K
+    draft_tokens: tuple[int, ...]  # [K] proposed ids for positions anchor+1 .. anchor+K, K >= 1
     num_accepted: int  # r, 0 <= r <= K, as decided by the verifier
+    drafter_version: str | None = None  # version whose weights drafted it; None = the record's
+    is_context_pure: bool = True  # the drafter's context K/V were all computed by those weights
+    num_plain_steps: int = 0  # steps without a draft since the previous block (module docstring)
 
     def to_dict(self) -> dict[str, Any]:
         return {
             "anchor": self.anchor,
             "draft_tokens": list(self.draft_tokens),
             "num_accepted": self.num_accepted,
+            "drafter_version": self.drafter_version,
+            "is_context_pure": self.is_context_pure,
+            "num_plain_steps": self.num_plain_steps,
         }
 
     @classmethod
     def from_dict(cls, data: Any, where: str = "block") -> "BlockRecord":
-        """Parse a dict from ``to_dict``; ValueError names the bad field."""
+        """Parse a dict from ``to_dict``; ValueError names the bad field. The version, purity and
+        plain-step fields may be missing or null (records captured before they existed): None, True
+        and 0."""
         data = _require_dict(data, where)
+        version = data.get("drafter_version")
+        if version is not None and not isinstance(version, str):
+            raise ValueError(f"{where}.drafter_version must be a str or null, got {version!r}")
+        is_pure = data.get("is_context_pure")
+        if is_pure is not None and not isinstance(is_pure, bool):
+            raise ValueError(f"{where}.is_context_pure must be a bool or null, got {is_pure!r}")
         return cls(
             anchor=_int_field(data, "anchor", where),
             draft_tokens=_token_tuple(data, "draft_tokens", where),
             num_accepted=_int_field(data, "num_accepted", where),
+            drafter_version=version,
+            is_context_pure=True if is_pure is None else is_pure,
+            num_plain_steps=_count_field(data, "num_plain_steps", where),
         )
 
 
@@ -106,6 +147,29 @@ class SequenceRecord:
         )
 
 
+def acceptance_length(num_accepted: float, num_drafts: float) -> float | None:
+    """tau = 1 + accepted / drafts: tokens per target forward, vLLM's definition.
+
+    Each verified draft (block) yields its r accepted tokens plus the one the
+    target adds itself. Counts may be floats (counter deltas, expected accepted
+    counts). None when there are no drafts: there is no tau to report, and
+    None stays valid JSON where NaN would not.
+    """
+    if num_drafts <= 0:
+        return None
+    return 1.0 + num_accepted / num_drafts
+
+
+def pure_blocks_by_version(record: SequenceRecord) -> dict[str, list[BlockRecord]]:
+    """The record's pure blocks grouped by the version that drafted them, in drafting order."""
+    out: dict[str, list[BlockRecord]] = {}
+    for block in record.blocks:
+        if block.is_context_pure:
+            version = record.drafter_version if block.drafter_version is None else block.drafter_version
+            out.setdefault(version, []).append(block)
+    return out
+
+
 def _require_dict(data: Any, where: str) -> dict:
     if not isinstance(data, dict):
         raise ValueError(f"{where} must be a dict, got {type(data).__name__}")
@@ -126,6 +190,16 @@ def _int_field(data: dict, name: str, where: str) -> int:
     value = _field(data, name, where)
     if not _is_int(value):
         raise ValueError(f"{where}.{name} must be an int, got {value!r}")
+    return value
+
+
+def _count_field(data: dict, name: str, where: str) -> int:
+    """An optional non-negative int: 0 when missing or null."""
+    value = data.get(name)
+    if value is None:
+        return 0
+    if not _is_int(value) or value < 0:
+        raise ValueError(f"{where}.{name} must be a non-negative int or null, got {value!r}")
     return value
 
 
@@ -172,9 +246,11 @@ def check_fidelity(record: SequenceRecord) -> list[str]:
     (compared where the sequence still has tokens: a request that stops on
     eos or max_tokens drops the rest of its last block); at temperature 0
     and r < K the token after them is the target's correction,
-    ``tokens[a+1+r] != d[r]`` (when that position exists). Between blocks:
-    anchors strictly increase and the next anchor is ``a + r + 1``, except
-    across a break marked in ``events``.
+    ``tokens[a+1+r] != d[r]`` (when that position exists); K >= 1. Between
+    blocks: anchors strictly increase and the next anchor is
+    ``a + r + 1 + g`` with g the next block's ``num_plain_steps`` (each plain
+    step adds the target's one token), except across a break marked in
+    ``events``.
     """
     errors: list[str] = []
     for i, block in enumerate(record.blocks):
@@ -183,10 +259,10 @@ def check_fidelity(record: SequenceRecord) -> list[str]:
     for i, (prev, block) in enumerate(zip(record.blocks, record.blocks[1:]), start=1):
         if block.anchor <= prev.anchor:
             errors.append(f"blocks[{i}]: anchor {block.anchor} does not exceed previous anchor {prev.anchor}")
-        elif prev.anchor not in breaks and block.anchor != prev.anchor + prev.num_accepted + 1:
+        elif prev.anchor not in breaks and block.anchor != prev.anchor + prev.num_accepted + 1 + block.num_plain_steps:
             errors.append(
-                f"blocks[{i}]: anchor {block.anchor} != previous anchor + r + 1 = "
-                f"{prev.anchor + prev.num_accepted + 1}"
+                f"blocks[{i}]: anchor {block.anchor} != previous anchor + r + 1 + num_plain_steps = "
+                f"{prev.anchor} + {prev.num_accepted} + 1 + {block.num_plain_steps}"
             )
     return errors
 
@@ -196,6 +272,10 @@ def _block_errors(record: SequenceRecord, block: BlockRecord) -> list[str]:
     tokens, a, r, draft = record.tokens, block.anchor, block.num_accepted, block.draft_tokens
     if not (record.prompt_len - 1 <= a < len(tokens)):
         return [f"anchor {a} outside [prompt_len - 1, len(tokens)) = [{record.prompt_len - 1}, {len(tokens)})"]
+    if not draft:
+        return ["no draft tokens: a block drafts at least one"]
+    if block.num_plain_steps < 0:
+        return [f"num_plain_steps {block.num_plain_steps} is negative"]
     if not (0 <= r <= len(draft)):
         return [f"num_accepted {r} outside 0..K={len(draft)}"]
     errors = []

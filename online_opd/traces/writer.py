@@ -4,6 +4,8 @@
 and counts it. The thread batches records into segments (online_opd/traces/buffer.py's
 ``SegmentWriter``: atomic, checksummed Parquet files) every ``flush_records``
 records or ``flush_interval_s`` seconds and applies retention after each write.
+While writes fail (read-only or full disk) it holds a bounded number of records
+and retries, so a passing fault loses none of them.
 """
 
 from __future__ import annotations
@@ -31,26 +33,36 @@ class BufferWriter:
     is full (the disk is slower than the traffic) or the writer is closed, the
     record is dropped and counted. The thread publishes a segment every
     ``flush_records`` records or ``flush_interval_s`` seconds, whichever comes
-    first, then enforces retention. A failed write is logged and counted and
-    its records count as dropped; the thread keeps going. At any moment
-    ``submitted == written_records + dropped + (records still queued or pending)``.
-    Memory is bounded by ``maxsize + flush_records`` records.
+    first, then enforces retention.
+
+    Failed writes (folder read-only, disk full, folder gone): the records are
+    held in memory, at most ``max_held`` (the oldest beyond that are dropped
+    and counted), and the write is retried every ``retry_interval_s``; the
+    first write that succeeds again publishes what is held. Each outage is
+    logged twice, when it starts and when it ends, and counted per failed
+    attempt in ``write_errors``. At any moment
+    ``submitted == written_records + dropped + queued + held + (records not yet due)``.
+    Memory is bounded by ``maxsize + max_held`` records.
     """
 
     def __init__(self, root: str | os.PathLike, *, writer_id: str | None = None,
                  max_bytes: int | None = None, max_age_s: float | None = None,
                  flush_records: int = 1024, flush_interval_s: float = 5.0, maxsize: int = 10_000,
-                 start: bool = True) -> None:
-        if flush_records < 1 or flush_interval_s <= 0 or maxsize < 1:
-            raise ValueError("flush_records, flush_interval_s and maxsize must be positive")
+                 max_held: int | None = None, retry_interval_s: float = 2.0, start: bool = True) -> None:
+        if flush_records < 1 or flush_interval_s <= 0 or maxsize < 1 or retry_interval_s <= 0:
+            raise ValueError("flush_records, flush_interval_s, maxsize and retry_interval_s must be positive")
         self.segment_writer = SegmentWriter(root, writer_id, max_bytes=max_bytes, max_age_s=max_age_s)
         self.flush_records = flush_records
         self.flush_interval_s = flush_interval_s
+        self.max_held = maxsize if max_held is None else max(max_held, flush_records)
+        self.retry_interval_s = retry_interval_s
         self._queue: queue.Queue = queue.Queue(maxsize)
         self._lock = threading.Lock()
         self._closed = False
+        self._outage: dict[str, Any] | None = None  # {"since", "attempts", "dropped"} while writes fail
         self._counters: dict[str, Any] = {"submitted": 0, "dropped": 0, "written_records": 0,
-                                          "written_segments": 0, "write_errors": 0, "last_error": None}
+                                          "written_segments": 0, "write_errors": 0, "held": 0,
+                                          "is_write_failing": False, "last_error": None}
         self._thread = threading.Thread(target=self._run, name="online-opd-buffer-writer", daemon=True)
         if start:
             self._thread.start()
@@ -105,7 +117,7 @@ class BufferWriter:
 
     def _run(self) -> None:
         pending: list[SequenceRecord] = []
-        deadline = 0.0
+        deadline = 0.0  # when ``pending`` is written (or retried) at the latest
         while True:
             wait = None if not pending else max(0.0, deadline - time.monotonic())
             try:
@@ -113,35 +125,80 @@ class BufferWriter:
             except queue.Empty:
                 item = None
             if item is _STOP:
-                self._flush(pending)
+                self._give_up(self._flush(pending))
                 return
             if item is not None:
                 if not pending:
                     deadline = time.monotonic() + self.flush_interval_s
                 pending.append(item)
-            if len(pending) >= self.flush_records or (pending and time.monotonic() >= deadline):
-                self._flush(pending)
-                pending = []
+            is_full = len(pending) >= self.flush_records and self._outage is None
+            if pending and (is_full or time.monotonic() >= deadline):
+                pending = self._flush(pending)
+                deadline = time.monotonic() + self.retry_interval_s
+            elif self._outage is not None:
+                pending = self._hold(pending)
 
-    def _flush(self, records: list[SequenceRecord]) -> None:
-        if not records:
+    def _flush(self, records: list[SequenceRecord]) -> list[SequenceRecord]:
+        """Write ``records`` in segments of ``flush_records``; returns those left (held) after a failure."""
+        for start in range(0, len(records), self.flush_records):
+            chunk = records[start:start + self.flush_records]
+            try:
+                self.segment_writer.write(chunk)
+            except Exception as exc:  # read-only, disk full, directory gone, ...: hold, retry, keep serving
+                self._on_write_error(exc)
+                return self._hold(records[start:])
+            self._count(written_records=len(chunk), written_segments=1)
+            self._on_write_ok()
+            try:
+                self.segment_writer.enforce_retention()
+            except Exception as exc:
+                logger.warning("buffer writer: retention failed: %r", exc)
+                with self._lock:
+                    self._counters["last_error"] = repr(exc)
+        self._set_held(0)
+        return []
+
+    def _hold(self, records: list[SequenceRecord]) -> list[SequenceRecord]:
+        """Keep the newest ``max_held`` records for a retry; the rest are dropped and counted."""
+        excess = max(0, len(records) - self.max_held)
+        self._set_held(len(records) - excess)
+        if not excess:
+            return records
+        self._count(dropped=excess)
+        self._outage["dropped"] += excess
+        return records[excess:]
+
+    def _give_up(self, records: list[SequenceRecord]) -> None:
+        if records:
+            logger.error("buffer writer: closing with %d records unwritten (%s): dropped", len(records),
+                         self._counters["last_error"])
+            self._count(dropped=len(records))
+            self._set_held(0)
+
+    def _on_write_error(self, exc: Exception) -> None:
+        with self._lock:
+            self._counters["write_errors"] += 1
+            self._counters["last_error"] = repr(exc)
+            self._counters["is_write_failing"] = True
+        if self._outage is None:
+            self._outage = {"since": time.monotonic(), "attempts": 0, "dropped": 0}
+            logger.error("buffer writes to %s failing: %r; holding up to %d records in memory, retrying "
+                         "every %gs", self.segment_writer.root, exc, self.max_held, self.retry_interval_s)
+        self._outage["attempts"] += 1
+
+    def _on_write_ok(self) -> None:
+        if self._outage is None:
             return
-        try:
-            self.segment_writer.write(records)
-        except Exception as exc:  # disk full, directory gone, ...: count, keep serving
-            logger.warning("buffer writer: dropping %d records, segment write failed: %r", len(records), exc)
-            with self._lock:
-                self._counters["write_errors"] += 1
-                self._counters["dropped"] += len(records)
-                self._counters["last_error"] = repr(exc)
-            return
-        self._count(written_records=len(records), written_segments=1)
-        try:
-            self.segment_writer.enforce_retention()
-        except Exception as exc:
-            logger.warning("buffer writer: retention failed: %r", exc)
-            with self._lock:
-                self._counters["last_error"] = repr(exc)
+        outage, self._outage = self._outage, None
+        with self._lock:
+            self._counters["is_write_failing"] = False
+        logger.warning("buffer writes to %s resumed after %d failed attempts over %.1fs (%d records dropped "
+                       "meanwhile)", self.segment_writer.root, outage["attempts"],
+                       time.monotonic() - outage["since"], outage["dropped"])
+
+    def _set_held(self, num_held: int) -> None:
+        with self._lock:
+            self._counters["held"] = num_held if self._outage is not None else 0
 
 
 # ---------------------------------------------------------------- reading

@@ -3,8 +3,10 @@
 `train(step_fn, drafter, cfg, run_dir)` steps AdamW on `step_fn(step)`'s loss
 with a cosine schedule, clips gradients, shows a progress bar, appends
 metrics to `metrics.jsonl`, saves a resumable state every
-`checkpoint_every` steps, and on SIGINT/SIGTERM finishes the current step,
-saves, and returns. The result drafter is written in vLLM's format to
+`checkpoint_every` steps (with the step function's sampling `generator`, when
+given, so a resumed run picks what an uninterrupted one would), and when the
+caller's `stop` event is set (serve/ turns SIGINT/SIGTERM into it) finishes
+the current step, saves, and returns. The result drafter is written in vLLM's format to
 `run_dir/drafter` by the caller.
 """
 
@@ -12,9 +14,8 @@ from __future__ import annotations
 
 import json
 import logging
-import signal
+import threading
 import time
-from contextlib import contextmanager
 from pathlib import Path
 from typing import Callable
 
@@ -30,23 +31,6 @@ logger = logging.getLogger(__name__)
 StepFn = Callable[[int], tuple[torch.Tensor, dict[str, float]]]
 
 
-@contextmanager
-def _stop_on_signals():
-    """Turn SIGINT/SIGTERM into a flag the loop checks between steps."""
-    flag = {"stop": False}
-
-    def handler(signum, _frame):
-        logger.warning("signal %d: finishing this step, then saving", signum)
-        flag["stop"] = True
-
-    previous = {s: signal.signal(s, handler) for s in (signal.SIGINT, signal.SIGTERM)}
-    try:
-        yield flag
-    finally:
-        for s, h in previous.items():
-            signal.signal(s, h)
-
-
 def train(
     step_fn: StepFn,
     drafter: torch.nn.Module,
@@ -56,24 +40,29 @@ def train(
     progress: bool = True,
     desc: str = "train",
     time_budget_s: float | None = None,
+    generator: torch.Generator | None = None,
+    stop: threading.Event | None = None,
 ) -> int:
-    """Run until cfg.num_steps (resuming from run_dir), or until `time_budget_s`
-    seconds of this call have passed; returns the last step done."""
+    """Run until cfg.num_steps (resuming from run_dir), until `time_budget_s` seconds of this call
+    have passed, or until `stop` is set (checked between steps; the caller owns signals, see
+    serve/signals.py); saves the state and returns the last step done."""
+    stop = stop if stop is not None else threading.Event()
     optimizer = build_optimizer(drafter, lr=cfg.lr, weight_decay=cfg.weight_decay, betas=cfg.betas)
     scheduler = cosine_with_warmup(optimizer, num_steps=cfg.num_steps,
                                    warmup_ratio=cfg.warmup_ratio, min_lr_ratio=cfg.min_lr_ratio)
-    state = load_state(run_dir, drafter=drafter, optimizer=optimizer, scheduler=scheduler)
+    state = load_state(run_dir, drafter=drafter, optimizer=optimizer, scheduler=scheduler, generator=generator)
     step = state["step"] if state else 0
     run_dir.mkdir(parents=True, exist_ok=True)
     metrics_file = run_dir / "metrics.jsonl"
     drafter.train()
     deadline = None if time_budget_s is None else time.perf_counter() + time_budget_s
-    with _stop_on_signals() as flag, open(metrics_file, "a") as log, tqdm(
+    with open(metrics_file, "a") as log, tqdm(
         total=cfg.num_steps, initial=step, desc=desc, unit="step", disable=not progress
     ) as bar:
-        while step < cfg.num_steps and not flag["stop"]:
+        while step < cfg.num_steps and not stop.is_set():
             if deadline is not None and time.perf_counter() >= deadline:
-                save_state(run_dir, step=step, drafter=drafter, optimizer=optimizer, scheduler=scheduler)
+                save_state(run_dir, step=step, drafter=drafter, optimizer=optimizer, scheduler=scheduler,
+                           generator=generator)
                 break
             start = time.perf_counter()
             loss, stats = step_fn(step)
@@ -90,8 +79,9 @@ def train(
             if step % cfg.log_every == 0:
                 log.flush()
                 bar.set_postfix({k: f"{v:.3g}" for k, v in stats.items() if k in _SHOWN})
-            if step % cfg.checkpoint_every == 0 or step == cfg.num_steps or flag["stop"]:
-                save_state(run_dir, step=step, drafter=drafter, optimizer=optimizer, scheduler=scheduler)
+            if step % cfg.checkpoint_every == 0 or step == cfg.num_steps or stop.is_set():
+                save_state(run_dir, step=step, drafter=drafter, optimizer=optimizer, scheduler=scheduler,
+                           generator=generator)
     drafter.eval()
     return step
 

@@ -5,11 +5,12 @@ runs it as a Ray actor (this module imports neither ray nor vllm).
 
 Data. ``poll`` tails the buffer (``BufferReader.tail`` with ``settle_s``) and
 checks every record against the capture-fidelity contract: violators are
-dropped and counted (``records_invalid``), never trained on. Records without
-blocks, and train records whose blocks are not K = the drafter's block size
-long (served with another ``num_speculative_tokens``), cannot be replayed and
-are counted as ``records_unusable``. The rest is routed by the gate's stable
-hash (``gate.is_held_out``) to the held-out pool (the newest
+dropped and counted (``records_invalid``), never trained on. A record with
+neither a replayable block (1..K tokens, K = the drafter's block size) nor
+two output tokens to simulate one on is counted as ``records_unusable``.
+The rest is routed by the gate's stable hash of the prompt's first tokens
+(``gate.is_held_out``: siblings, repeated prompts and a conversation's turns
+stay on one side) to the held-out pool (the newest
 ``gate.max_records``) or to the train window (the newest
 ``online.window_records``). A train record is *fresh* until a step has
 replayed it.
@@ -24,12 +25,19 @@ training on recent traffic. Each record contributes up to
 (replay.py) and scored with ``trainer.objective`` exactly as the offline
 ``opd_step_fn`` does.
 
-Schedule. AdamW from train/optim.py with a linear warm-up over
-``round(trainer.warmup_ratio * trainer.num_steps)`` steps and then a constant
-``trainer.lr``. An endless run has no horizon for a cosine to decay over, and
-a decayed rate would stop the drafter from following drift in the traffic,
-which is the point of training online; the gate guards against a bad step
-reaching the servers.
+Blocks of any length; records without blocks (``opd.plan_replay``). Logged
+blocks of 1..K tokens replay as they are; a record served mostly or wholly
+without speculation (coverage below ``online.simulate_below_coverage``) is
+replayed on the blocks the *current* drafter would have drafted over it, at
+any temperature; such replays are counted as ``records_simulated``.
+
+Schedule. AdamW from train/optim.py with transformers'
+``get_constant_schedule_with_warmup``: a linear warm-up over W =
+``round(trainer.warmup_ratio * trainer.num_steps)`` steps (lr * s / W at step
+s) and then a constant ``trainer.lr``. An endless run has no horizon for a
+cosine to decay over, and a decayed rate would stop the drafter from following
+drift in the traffic, which is the point of training online; the gate guards
+against a bad step reaching the servers.
 
 Gate and publish. Every ``gate.every_steps`` steps the trainer's drafter is
 compared with the registry's current one on the held-out pool
@@ -39,7 +47,13 @@ the last step's figures), then promoted when the gate passed or rejected with
 the gate's reason. The trainer keeps its own weights either way: after a
 promotion they are the served ones; after a rejection further training may
 still pass a later gate. No copy is made for the gate: it runs between steps
-in the training thread, so the weights cannot change under it.
+in the training thread, so the weights cannot change under it. When the
+registry's CURRENT is anything but the version the weights descend from
+(``trained_from``: the version started from, or the trainer's own last
+promoted one), because the reloader rolled back or someone promoted by hand,
+``sync_with_registry`` (at start-up and before every buffer poll) reloads the
+drafter from CURRENT with a fresh optimizer and schedule, so training never
+continues from weights the servers turned away.
 
 State. ``save`` writes the drafter, AdamW, schedule, step, RNG, the buffer
 cursor and the counters to ``state_dir`` (train/state.py: tmp + fsync +
@@ -65,33 +79,24 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from transformers import get_constant_schedule_with_warmup
 
 from online_opd.config import OnlineOPDConfig
 from online_opd.models.drafters.checkpoint import load_drafter
 from online_opd.models.target_model import TargetModel
 from online_opd.opd.losses import LOSSES
-from online_opd.opd.replay import replay_sequence
 from online_opd.release.gate import evaluate_gate, is_held_out
 from online_opd.release.registry import DrafterRegistry
 from online_opd.traces.buffer import BufferReader, CorruptSegment
 from online_opd.traces.records import SequenceRecord, check_fidelity
-from online_opd.train.opd import objective_fn
+from online_opd.train.opd import objective_fn, plan_replay, replay_records, replayable_blocks
 from online_opd.train.optim import build_optimizer
 from online_opd.train.state import STATE_FILE, load_state, save_state
 
 logger = logging.getLogger(__name__)
 
-_COUNTERS = ("steps", "replayed_tokens", "records_seen", "records_invalid", "records_unusable",
-             "gates", "promotions", "rejections", "errors")
-
-
-def warmup_constant(optimizer: torch.optim.Optimizer, warmup_steps: int) -> torch.optim.lr_scheduler.LambdaLR:
-    """lr(s) = lr * (s+1)/W for s < W, then lr: a schedule without an end (see the module docstring)."""
-
-    def factor(step: int) -> float:
-        return (step + 1) / warmup_steps if step < warmup_steps else 1.0
-
-    return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
+_COUNTERS = ("steps", "replayed_tokens", "records_seen", "records_invalid", "records_unusable", "records_simulated",
+             "gates", "promotions", "rejections", "errors", "resyncs")
 
 
 class OnlineTrainer:
@@ -112,7 +117,7 @@ class OnlineTrainer:
         self.device = torch.device(cfg.online.device)
         self.target = TargetModel.from_pretrained(target_path, dtype=torch.float32)
         self.target.model.to(self.device)
-        self.registry = DrafterRegistry(registry_dir)
+        self.registry = DrafterRegistry(registry_dir, keep_unpromoted=cfg.serve.registry_keep_unpromoted)
         current = self.registry.current()
         if current is None:
             raise RuntimeError(f"registry {registry_dir} has no current drafter to train: "
@@ -120,10 +125,7 @@ class OnlineTrainer:
         self.drafter = self._load_drafter(current.path)
         self.block_size = self.drafter.cfg.block_size
         tcfg = cfg.trainer
-        self.optimizer = build_optimizer(self.drafter, lr=tcfg.lr, weight_decay=tcfg.weight_decay,
-                                         betas=tcfg.betas)
-        warmup = round(tcfg.warmup_ratio * tcfg.num_steps) if tcfg.warmup_ratio > 0 else 0
-        self.scheduler = warmup_constant(self.optimizer, warmup)
+        self.optimizer, self.scheduler = self._new_optimizer()
         self.objective = objective_fn(tcfg)
         self.generator = torch.Generator().manual_seed(tcfg.seed)
         self.reader = BufferReader(buffer_dir)
@@ -141,6 +143,7 @@ class OnlineTrainer:
             "last_gate": None, "last_published": None, "last_error": None, "trained_from": current.version,
         }
         self._resume()
+        self.sync_with_registry()
 
     # ---- data -------------------------------------------------------------------------------------
 
@@ -159,9 +162,8 @@ class OnlineTrainer:
                 counts[verdict] += 1
         if counts["records_unusable"] and not self.window and not self._warned_unusable:
             self._warned_unusable = True
-            logger.warning("online trainer: %d records unusable (no blocks, or blocks not K=%d long: is the "
-                           "server drafting with another num_speculative_tokens?)",
-                           counts["records_unusable"], self.block_size)
+            logger.warning("online trainer: %d records unusable (no block of 1..K=%d tokens and fewer than two "
+                           "output tokens)", counts["records_unusable"], self.block_size)
         with self._lock:
             for key, value in counts.items():
                 self._stats[key] += value
@@ -169,17 +171,15 @@ class OnlineTrainer:
 
     def _route(self, record: SequenceRecord, *, fresh: bool) -> str:
         """Put one record in its pool: "kept", or the counter it was dropped under."""
-        if not record.blocks:
+        if not replayable_blocks(record, self.block_size) and len(record.tokens) - record.prompt_len < 2:
             return "records_unusable"
         errors = check_fidelity(record)
         if errors:
             logger.warning("online trainer: dropping record %s: %s", record.record_id, "; ".join(errors[:3]))
             return "records_invalid"
-        if is_held_out(record.record_id, self.cfg.gate.held_out_fraction):
-            self.held_out.append(record)  # the gate simulates any K: no block-size check
+        if is_held_out(record, self.cfg.gate.held_out_fraction, self.cfg.gate.split_prefix_tokens):
+            self.held_out.append(record)  # the gate scores any K, and walks a record without blocks
             return "kept"
-        if any(len(b.draft_tokens) != self.block_size for b in record.blocks):
-            return "records_unusable"
         if len(self.window) == self.window.maxlen:  # the oldest leaves the window, and with it fresh
             evicted = self.window[0]
             if self.fresh.get(evicted.record_id) is evicted:
@@ -188,6 +188,15 @@ class OnlineTrainer:
         if fresh:
             self.fresh[record.record_id] = record
         return "kept"
+
+    def replay_plan(self, record: SequenceRecord) -> SequenceRecord | None:
+        """The record as this step replays it (``opd.plan_replay``); counts simulated ones."""
+        planned, is_simulated = plan_replay(self.target, self.drafter, record,
+                                            self.cfg.online.simulate_below_coverage)
+        if is_simulated:
+            with self._lock:
+                self._stats["records_simulated"] += 1
+        return planned
 
     def sample(self) -> list[SequenceRecord]:
         """This step's records: the fresh share newest first, the rest uniformly from the window.
@@ -213,20 +222,13 @@ class OnlineTrainer:
         start = time.perf_counter()
         tcfg = self.cfg.trainer
         self.drafter.train()
-        losses, accepted, rejected, num_tokens = [], [], [], 0
-        for record in self.sample():
-            count = min(tcfg.anchors_per_sequence, len(record.blocks))
-            chosen = torch.randperm(len(record.blocks), generator=self.generator)[:count].sort().values
-            blocks = [record.blocks[j] for j in chosen.tolist()]
-            end = max(b.anchor for b in blocks) + 1  # later tokens are never read
-            tokens = torch.tensor(record.tokens[:end], dtype=torch.int64, device=self.device)
-            batch = replay_sequence(self.target, self.drafter, tokens, blocks)
-            out = self.objective(batch.target_logits, batch.draft_logits, batch.num_accepted)
-            losses.append(out.loss)
-            accepted.append(float(out.accepted.detach()))
-            rejected.append(float(out.rejected.detach()))
-            num_tokens += end + len(blocks) * (self.block_size - 1)
-        loss = torch.stack(losses).mean()
+        records = [r for r in map(self.replay_plan, self.sample()) if r is not None]
+        if not records:  # every picked record was too short to simulate a settled block on
+            return None
+        replayed = replay_records(self.target, self.drafter, records, self.objective,
+                                  anchors_per_sequence=tcfg.anchors_per_sequence, generator=self.generator,
+                                  device=self.device)
+        loss, num_tokens = replayed.loss, replayed.num_replayed_tokens
         if not torch.isfinite(loss):  # skip, never step into NaN weights
             raise FloatingPointError(f"non-finite loss {float(loss)} at step {self.step_count + 1}")
         self.optimizer.zero_grad(set_to_none=True)
@@ -236,8 +238,7 @@ class OnlineTrainer:
         self.scheduler.step()
         self.step_count += 1
         stats = {"step": self.step_count, "loss": float(loss.detach()),
-                 "loss_accepted": sum(accepted) / len(accepted),
-                 "loss_rejected": sum(rejected) / len(rejected),
+                 "loss_accepted": replayed.accepted, "loss_rejected": replayed.rejected,
                  "replayed_tokens": num_tokens, "grad_norm": float(grad_norm),
                  "lr": self.scheduler.get_last_lr()[0], "seconds": time.perf_counter() - start}
         with self._lock:
@@ -291,7 +292,34 @@ class OnlineTrainer:
             self._stats["promotions" if result.passed else "rejections"] += 1
             self._stats["last_gate"] = summary
             self._stats["last_published"] = info.version
+            if result.passed:  # the served weights are this trainer's own now
+                self._stats["trained_from"] = info.version
         return summary
+
+    def sync_with_registry(self) -> bool:
+        """Start again from the registry's CURRENT when it is not the version these weights descend
+        from (``trained_from``): a rollback, or a promote by hand. The drafter is reloaded from CURRENT
+        and the optimizer and schedule start fresh; returns whether that happened."""
+        current = self.registry.current()
+        with self._lock:
+            trained_from = self._stats["trained_from"]
+        if current is None or current.version == trained_from:
+            return False
+        self.drafter = self._load_drafter(current.path)
+        self.block_size = self.drafter.cfg.block_size
+        self.optimizer, self.scheduler = self._new_optimizer()
+        with self._lock:
+            self._stats["trained_from"] = current.version
+            self._stats["resyncs"] += 1
+        logger.warning("online trainer: the registry serves %s, not %s that these weights came from; "
+                       "reloaded %s with a fresh optimizer", current.version, trained_from, current.version)
+        return True
+
+    def _new_optimizer(self) -> tuple[torch.optim.Optimizer, torch.optim.lr_scheduler.LambdaLR]:
+        tcfg = self.cfg.trainer
+        optimizer = build_optimizer(self.drafter, lr=tcfg.lr, weight_decay=tcfg.weight_decay, betas=tcfg.betas)
+        warmup = round(tcfg.warmup_ratio * tcfg.num_steps) if tcfg.warmup_ratio > 0 else 0
+        return optimizer, get_constant_schedule_with_warmup(optimizer, num_warmup_steps=warmup)
 
     # ---- state ------------------------------------------------------------------------------------
 
@@ -300,9 +328,9 @@ class OnlineTrainer:
         with self._lock:
             kept = (*_COUNTERS, "last_gate", "last_published", "trained_from")
             counters = {k: self._stats[k] for k in kept}
-        extra = {"cursor": self.cursor, "counters": counters, "generator": self.generator.get_state()}
-        path = save_state(self.state_dir, step=self.step_count, drafter=self.drafter,
-                          optimizer=self.optimizer, scheduler=self.scheduler, extra=extra)
+        extra = {"cursor": self.cursor, "counters": counters}
+        path = save_state(self.state_dir, step=self.step_count, drafter=self.drafter, optimizer=self.optimizer,
+                          scheduler=self.scheduler, extra=extra, generator=self.generator)
         self._saved_step = self.step_count
         return path
 
@@ -311,14 +339,12 @@ class OnlineTrainer:
             return
         try:
             state = load_state(self.state_dir, drafter=self.drafter, optimizer=self.optimizer,
-                               scheduler=self.scheduler)
+                               scheduler=self.scheduler, generator=self.generator)
         except Exception as exc:  # torn file, or a drafter of another shape is current now
             raise RuntimeError(f"{self.state_dir}: cannot resume the online trainer ({exc}); "
                                "remove the state to start from the registry's current drafter") from exc
         extra = state.get("extra", {})
         self.step_count = int(state["step"])
-        if "generator" in extra:
-            self.generator.set_state(extra["generator"])
         with self._lock:
             self._stats.update(extra.get("counters", {}), steps=self.step_count)
             if self.step_count:
@@ -343,7 +369,8 @@ class OnlineTrainer:
             except (CorruptSegment, OSError):  # counted when it was first read; deleted since
                 continue
             chunks.append(records)
-            held = sum(is_held_out(r.record_id, self.cfg.gate.held_out_fraction) for r in records)
+            gate = self.cfg.gate
+            held = sum(is_held_out(r, gate.held_out_fraction, gate.split_prefix_tokens) for r in records)
             need_train, need_held_out = need_train - (len(records) - held), need_held_out - held
             if need_train <= 0 and need_held_out <= 0:
                 break
@@ -365,6 +392,7 @@ class OnlineTrainer:
             while not stop.is_set() and (ocfg.max_steps is None or self.step_count < ocfg.max_steps):
                 try:
                     if time.monotonic() - last_poll >= ocfg.poll_s:
+                        self.sync_with_registry()
                         self.poll()
                         last_poll = time.monotonic()
                     if self.step() is None:
@@ -395,11 +423,19 @@ class OnlineTrainer:
         return self.stats()
 
     def _error(self, where: str, exc: Exception) -> None:
-        logger.exception("online trainer: %s failed at step %d", where, self.step_count)
+        """Count a failure; log it with its traceback once, not again while the same one repeats
+        with no step in between (e.g. CURRENT on a broken version until the reloader rolls it back)."""
+        error = f"{where}: {exc!r}"
         with self._lock:
+            is_repeat = self._stats["status"] == "error" and self._stats["last_error"] == error
             self._stats["errors"] += 1
-            self._stats["last_error"] = f"{where}: {exc!r}"
+            self._stats["last_error"] = error
             self._stats["status"] = "error"
+        if is_repeat:
+            logger.debug("online trainer: %s failed again at step %d: %r", where, self.step_count, exc)
+        else:
+            logger.exception("online trainer: %s failed at step %d (repeats are counted, not logged)", where,
+                             self.step_count)
 
     def stats(self) -> dict[str, Any]:
         """Figures for /metrics and the admin surface (JSON-safe; safe to call from another thread)."""

@@ -1,11 +1,14 @@
-"""AdamW with linear warmup and cosine decay (the paper's defaults)."""
+"""AdamW, and the offline schedule: linear warm-up then cosine decay (the paper's defaults).
+
+The schedule is transformers' ``get_cosine_with_min_lr_schedule_with_warmup``: a ``LambdaLR``
+whose state (``last_epoch``) train/state.py saves and restores with the optimizer.
+"""
 
 from __future__ import annotations
 
-import math
-
 import torch
 from torch import nn
+from transformers import get_cosine_with_min_lr_schedule_with_warmup
 
 
 def build_optimizer(
@@ -23,13 +26,12 @@ def build_optimizer(
 def cosine_with_warmup(
     optimizer: torch.optim.Optimizer, *, num_steps: int, warmup_ratio: float, min_lr_ratio: float
 ) -> torch.optim.lr_scheduler.LambdaLR:
-    """lr(s) = lr * s/W during warmup, then cosine from lr down to min_lr_ratio * lr."""
+    """The lr of step s (0-based) with W = round(warmup_ratio * num_steps) warm-up steps (at least 1
+    when warmup_ratio > 0) and m = min_lr_ratio:
+
+        lr * s / W                                                      for s < W
+        lr * (m + (1 - m) * (1 + cos(pi * (s - W) / (num_steps - W))) / 2)   for s >= W
+    """
     warmup = max(1, int(round(num_steps * warmup_ratio))) if warmup_ratio > 0 else 0
-
-    def factor(step: int) -> float:
-        if step < warmup:
-            return (step + 1) / warmup
-        progress = min(1.0, (step - warmup) / max(1, num_steps - warmup))
-        return min_lr_ratio + (1 - min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
-
-    return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
+    return get_cosine_with_min_lr_schedule_with_warmup(
+        optimizer, num_warmup_steps=warmup, num_training_steps=num_steps, min_lr_rate=min_lr_ratio)

@@ -3,18 +3,19 @@ states (the drafter's context features), computed once and stored.
 
 Stored as one safetensors file: `tokens` (all sequences concatenated),
 `offsets` [N+1], `prompt_lens` [N] and `aux_hidden` [total_tokens, F] in
-bfloat16, written to a temporary name and renamed into place.
+bfloat16, written atomically (online_opd/files.py).
 """
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file, save
 from tqdm.auto import tqdm
+
+from online_opd.files import atomic_write_bytes
 
 
 @dataclass
@@ -51,9 +52,7 @@ def save_sequences(path: Path, sequences: list[TrainSequence], layer_ids: tuple[
     if all(s.aux_hidden is not None for s in sequences):
         tensors["aux_hidden"] = torch.cat([s.aux_hidden for s in sequences]).contiguous()
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp")
-    save_file(tensors, tmp)
-    os.replace(tmp, path)
+    atomic_write_bytes(path, save(tensors))
 
 
 def load_sequences(path: Path, layer_ids: tuple[int, ...] | None = None) -> list[TrainSequence]:

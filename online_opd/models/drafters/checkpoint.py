@@ -5,22 +5,19 @@ A checkpoint folder holds `config.json` (vLLM/HF config of the drafter),
 and LM head are shared, never stored) and `manifest.json` (version, parent
 version, sha256 of each file, training step, free-form metrics). Folders are
 written to a temporary sibling and renamed into place, so a half-written
-checkpoint is never visible.
+checkpoint is never visible (``online_opd.files.atomic_folder``).
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
-import os
-import shutil
-import tempfile
 from pathlib import Path
 
 import torch
 from safetensors.torch import load_file, save_file
 from torch import nn
 
+from online_opd.files import atomic_folder, sha256_file
 from online_opd.models.drafters.registry import drafter_class_for_config
 
 CONFIG_FILE = "config.json"
@@ -32,14 +29,6 @@ class CheckpointError(ValueError):
     """A drafter checkpoint is missing, corrupt or does not fit its config."""
 
 
-def sha256_file(path: Path, chunk_size: int = 1 << 20) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(chunk_size):
-            digest.update(chunk)
-    return digest.hexdigest()
-
-
 def save_drafter(
     drafter: nn.Module,
     path: str | Path,
@@ -49,34 +38,30 @@ def save_drafter(
     step: int = 0,
     metrics: dict | None = None,
 ) -> Path:
-    """Write `drafter` to the folder `path` atomically; returns the path."""
+    """Write `drafter` to the folder `path` atomically (``files.atomic_folder``); returns the path."""
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.tmp-", dir=path.parent))
-    try:
-        tensors = {k: v.detach().to("cpu", torch.float32).contiguous()
-                   for k, v in drafter.state_dict().items()}
-        save_file(tensors, tmp / WEIGHTS_FILE, metadata={"format": "pt"})
-        (tmp / CONFIG_FILE).write_text(json.dumps(drafter.cfg.to_hf_config(), indent=2))
-        manifest = {
-            "version": version or path.name,
-            "parent_version": parent_version,
-            "method": drafter.method,
-            "step": step,
-            "files": {f: sha256_file(tmp / f) for f in (CONFIG_FILE, WEIGHTS_FILE)},
-            "metrics": metrics or {},
-        }
-        (tmp / MANIFEST_FILE).write_text(json.dumps(manifest, indent=2))
-        for f in tmp.iterdir():
-            fsync_path(f)
-        if path.exists():
-            shutil.rmtree(path)
-        os.replace(tmp, path)
-        fsync_path(path.parent)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+    with atomic_folder(path) as tmp:
+        write_checkpoint(drafter, tmp, version=version or path.name, parent_version=parent_version,
+                         step=step, metrics=metrics)
     return path
+
+
+def write_checkpoint(drafter: nn.Module, folder: Path, *, version: str, parent_version: str | None = None,
+                     step: int = 0, metrics: dict | None = None) -> None:
+    """Write the checkpoint's three files into the existing folder `folder` (not atomic on its own)."""
+    tensors = {k: v.detach().to("cpu", torch.float32).contiguous()
+               for k, v in drafter.state_dict().items()}
+    save_file(tensors, folder / WEIGHTS_FILE, metadata={"format": "pt"})
+    (folder / CONFIG_FILE).write_text(json.dumps(drafter.cfg.to_hf_config(), indent=2))
+    manifest = {
+        "version": version,
+        "parent_version": parent_version,
+        "method": drafter.method,
+        "step": step,
+        "files": {f: sha256_file(folder / f) for f in (CONFIG_FILE, WEIGHTS_FILE)},
+        "metrics": metrics or {},
+    }
+    (folder / MANIFEST_FILE).write_text(json.dumps(manifest, indent=2))
 
 
 def read_manifest(path: str | Path) -> dict:
@@ -110,8 +95,12 @@ def load_state_checked(drafter: nn.Module, tensors: dict[str, torch.Tensor], sou
     drafter.load_state_dict(tensors, strict=True)
 
 
+#: Weight dtypes a drafter checkpoint may carry (float8 and others are refused before any check runs on them).
+LOADABLE_FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
 def check_tensors(expected: dict[str, torch.Tensor], tensors: dict[str, torch.Tensor], source: str) -> None:
-    """Names, shapes and finiteness of `tensors` against `expected` (a state dict; meta tensors do)."""
+    """Names, shapes, dtypes and finiteness of `tensors` against `expected` (a state dict; meta tensors do)."""
     missing = sorted(set(expected) - set(tensors))
     unexpected = sorted(set(tensors) - set(expected))
     if missing:
@@ -124,7 +113,13 @@ def check_tensors(expected: dict[str, torch.Tensor], tensors: dict[str, torch.Te
                 f"{source}: tensor {name!r} has shape {tuple(tensor.shape)}, "
                 f"expected {tuple(expected[name].shape)}"
             )
-        if not torch.isfinite(tensor).all():
+        if expected[name].is_floating_point() != (tensor.dtype in LOADABLE_FLOAT_DTYPES):
+            raise CheckpointError(
+                f"{source}: tensor {name!r} has dtype {tensor.dtype}; expected "
+                + ("one of float32, float16, bfloat16" if expected[name].is_floating_point()
+                   else str(expected[name].dtype))
+            )
+        if tensor.is_floating_point() and not torch.isfinite(tensor).all():
             raise CheckpointError(f"{source}: tensor {name!r} has non-finite values")
 
 
@@ -140,12 +135,3 @@ def verify_checkpoint(path: str | Path) -> dict:
         if actual != digest:
             raise CheckpointError(f"{path}: sha256 of {name} is {actual[:12]}…, manifest says {digest[:12]}…")
     return manifest
-
-
-def fsync_path(path: Path) -> None:
-    """fsync a file or a directory (directories: makes a rename into them durable)."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)

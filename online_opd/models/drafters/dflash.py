@@ -29,6 +29,7 @@ from online_opd.models.drafters.layers import (
     RMSNorm,
     SharedHeadDrafter,
     apply_rope,
+    check_num_draft_tokens,
     grouped_attention,
     rope_cos_sin,
 )
@@ -79,6 +80,11 @@ class DFlashConfig:
             "online_opd": {"method": "dflash", **self.extra},
         }
 
+    @staticmethod
+    def block_size_from_hf_config(cfg: dict) -> int:
+        """K as config.json stores it: the top-level `block_size` (8 when absent)."""
+        return int(cfg.get("block_size") or 8)
+
     @classmethod
     def from_hf_config(cls, cfg: dict) -> "DFlashConfig":
         dflash = cfg.get("dflash_config") or {}
@@ -93,7 +99,7 @@ class DFlashConfig:
             vocab_size=cfg["vocab_size"],
             target_layer_ids=tuple(dflash["target_layer_ids"]),
             mask_token_id=int(dflash["mask_token_id"]),
-            block_size=int(cfg.get("block_size") or 8),
+            block_size=cls.block_size_from_hf_config(cfg),
             rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
             rope_theta=float(rope.get("rope_theta", cfg.get("rope_theta", 1e6))),
             max_position_embeddings=cfg.get("max_position_embeddings", 8192),
@@ -184,12 +190,20 @@ class DFlashDrafter(SharedHeadDrafter):
         anchors: torch.Tensor,  # [M] int64, 1 <= a <= T
         anchor_tokens: torch.Tensor,  # [M] int64, token id at each anchor
         token_ids: torch.Tensor | None = None,  # [>= T] unused: DFlash reads only features
+        draft_tokens: torch.Tensor | None = None,  # [M, K] unused: see below
+        num_draft_tokens: int | None = None,  # K' in 1..K drafted per block; None = K
     ) -> torch.Tensor:
-        """Draft logits [M, K, vocab] for positions a+1 .. a+K of every anchor.
-        `token_ids` keeps the signature shared with EAGLE-3, which needs them."""
+        """Draft logits [M, K', vocab] for positions a+1 .. a+K' of every anchor.
+        `token_ids` and `draft_tokens` keep the signature shared with EAGLE-3, which needs them:
+        a DFlash block is drafted in one pass from [x_a, MASK x K'], so q at every position is
+        conditioned on x_<=a alone and never on the drafts before it, logged or its own.
+        ``num_draft_tokens``: vLLM drafts K' < K tokens with K' mask slots when the server asks
+        for fewer (num_speculative_tokens_per_batch_size); the slots see each other, so a
+        K'-block is not the first K' rows of a K-block."""
         if self.embed_weight is None:
             raise RuntimeError("attach_target(embed, lm_head) before running the drafter")
-        cfg, num_blocks, width = self.cfg, anchors.shape[0], self.cfg.block_size + 1
+        num_draft = check_num_draft_tokens(num_draft_tokens, self.cfg.block_size)
+        cfg, num_blocks, width = self.cfg, anchors.shape[0], num_draft + 1
         num_ctx = aux_hidden.shape[0]
         ctx = self.hidden_norm(self.fc(aux_hidden.to(self.fc.weight.dtype)))
         dtype, device = ctx.dtype, ctx.device
@@ -206,9 +220,9 @@ class DFlashDrafter(SharedHeadDrafter):
         for layer in self.layers:
             ctx_k, ctx_v = layer.self_attn.context_kv(ctx, ctx_cos, ctx_sin)
             h = layer(h, cos, sin, ctx_k, ctx_v, mask)
-        h = self.norm(h).view(num_blocks, width, -1)[:, 1:].reshape(num_blocks * cfg.block_size, -1)
+        h = self.norm(h).view(num_blocks, width, -1)[:, 1:].reshape(num_blocks * num_draft, -1)
         # 2-d GEMM: a batched matmul against a broadcast [V, H] weight is ~10x slower on CPU
-        return F.linear(h, self.lm_head_weight.to(dtype)).view(num_blocks, cfg.block_size, -1)
+        return F.linear(h, self.lm_head_weight.to(dtype)).view(num_blocks, num_draft, -1)
 
     @torch.no_grad()
     def propose(
@@ -217,9 +231,10 @@ class DFlashDrafter(SharedHeadDrafter):
         anchors: torch.Tensor,  # [M]
         anchor_tokens: torch.Tensor,  # [M]
         token_ids: torch.Tensor | None = None,  # [>= T]
+        num_draft_tokens: int | None = None,  # K' in 1..K; None = K
     ) -> torch.Tensor:
-        """Greedy blocks [M, K], as vLLM's DFlash proposer drafts them."""
-        return self(aux_hidden, anchors, anchor_tokens, token_ids).argmax(-1)
+        """Greedy blocks [M, K'], as vLLM's DFlash proposer drafts them."""
+        return self(aux_hidden, anchors, anchor_tokens, token_ids, num_draft_tokens=num_draft_tokens).argmax(-1)
 
 
 def block_attention_mask(

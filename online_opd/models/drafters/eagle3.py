@@ -64,6 +64,7 @@ from online_opd.models.drafters.layers import (
     RMSNorm,
     SharedHeadDrafter,
     apply_rope,
+    check_num_draft_tokens,
     grouped_attention,
     rope_cos_sin,
 )
@@ -142,6 +143,13 @@ class Eagle3Config:
             },
         }
 
+    @staticmethod
+    def block_size_from_hf_config(cfg: dict) -> int:
+        """K as config.json stores it: `online_opd.block_size` (vLLM reads no top-level
+        `block_size` for EAGLE-3), else `online_opd.num_speculative_tokens`, else 8."""
+        ours = cfg.get("online_opd") or {}
+        return int(ours.get("block_size") or ours.get("num_speculative_tokens") or 8)
+
     @classmethod
     def from_hf_config(cls, cfg: dict) -> "Eagle3Config":
         ours = dict(cfg.get("online_opd") or {})
@@ -167,7 +175,7 @@ class Eagle3Config:
             intermediate_size=cfg["intermediate_size"],
             vocab_size=cfg["vocab_size"],
             target_layer_ids=layer_ids,
-            block_size=int(ours.get("block_size") or ours.get("num_speculative_tokens") or 8),
+            block_size=cls.block_size_from_hf_config(cfg),
             rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
             rope_theta=float(rope.get("rope_theta", cfg.get("rope_theta", 10000.0))),
             max_position_embeddings=cfg.get("max_position_embeddings", 8192),
@@ -288,51 +296,61 @@ class Eagle3Drafter(SharedHeadDrafter):
         prenorm = hidden + residual
         return self.norm(prenorm), prenorm
 
+    def _context_kv(self, g, token_ids, num_ctx: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """First pass over the shared context, (x_{t+1}, fc(aux_t)) at position t, causal:
+        per layer its K and V [Hkv, num_ctx, d] (empty when there is no context)."""
+        cfg, device = self.cfg, g.device
+        if num_ctx == 0:
+            empty = g.new_zeros(cfg.num_kv_heads, 0, cfg.head_dim)
+            return [empty] * cfg.num_layers, [empty] * cfg.num_layers
+        ctx_k: list[torch.Tensor] = []
+        ctx_v: list[torch.Tensor] = []
+        cos, sin = rope_cos_sin(torch.arange(num_ctx, device=device), cfg.head_dim, cfg.rope_theta, g.dtype)
+        causal = torch.ones(num_ctx, num_ctx, dtype=torch.bool, device=device).tril_()
+
+        def attend_ctx(i, q, k, v):
+            ctx_k.append(k)
+            ctx_v.append(v)
+            return grouped_attention(q, k, v, causal)
+
+        self._run_layers(self.embed_weight[token_ids[1 : num_ctx + 1]].to(g.dtype), g[:num_ctx], cos, sin,
+                         attend_ctx)
+        return ctx_k, ctx_v
+
     def forward_chain(
         self,
         aux_hidden: torch.Tensor,  # [T, len(target_layer_ids) * hidden], positions 0..T-1
         anchors: torch.Tensor,  # [M] int64, 1 <= a <= T
         anchor_tokens: torch.Tensor,  # [M] int64, token x_a at each anchor
         token_ids: torch.Tensor | None = None,  # [>= max(a)] sequence tokens, token_ids[t] = x_t
+        draft_tokens: torch.Tensor | None = None,  # [M, K'] logged drafts d_1..d_K' (replay)
+        num_draft_tokens: int | None = None,  # K' in 1..K chained steps; None = K
     ) -> torch.Tensor:
-        """Draft logits [M, K, vocab] for positions a+1 .. a+K of every anchor,
-        each step fed the drafter's own greedy draft and pre-norm hidden."""
+        """Draft logits [M, K', vocab] for positions a+1 .. a+K' of every anchor. Step k+1 is fed
+        the drafter's own pre-norm hidden and the token d_k: the logged draft when
+        ``draft_tokens`` is given, so q_k = q(. | x_<=a, d_<k) sits on the prefix the target
+        verified (Draft-OPD eq. 10-13), else the drafter's own greedy draft (vLLM's proposer).
+        The chain is causal: K' steps give the first K' rows of K steps."""
         if self.embed_weight is None:
             raise RuntimeError("attach_target(embed, lm_head) before running the drafter")
         cfg, num_anchors, device = self.cfg, anchors.shape[0], anchors.device
+        num_draft = check_num_draft_tokens(num_draft_tokens, cfg.block_size)
         if num_anchors == 0:
-            return self.fc.weight.new_zeros(0, cfg.block_size, self.lm_head_weight.shape[0])
+            return self.fc.weight.new_zeros(0, num_draft, self.lm_head_weight.shape[0])
         max_anchor = int(anchors.max())
         if int(anchors.min()) < 1 or max_anchor > aux_hidden.shape[0]:
             raise ValueError(f"anchors must lie in [1, {aux_hidden.shape[0]}]")
+        if draft_tokens is not None and tuple(draft_tokens.shape) != (num_anchors, num_draft):
+            raise ValueError(f"draft_tokens must be [M, K'] = [{num_anchors}, {num_draft}], "
+                             f"got {list(draft_tokens.shape)}")
         num_ctx = max_anchor - 1  # shared context rows: positions 0 .. max(a) - 2
         if num_ctx > 0 and (token_ids is None or token_ids.shape[0] < max_anchor):
             raise ValueError(
                 "EAGLE-3 needs the context tokens: pass token_ids (the sequence, aligned "
                 f"with aux_hidden rows, at least max(anchors) = {max_anchor} long)")
         g = self.fc(aux_hidden[:max_anchor].to(self.fc.weight.dtype))  # [max(a), hidden]
-        dtype = g.dtype
-        embed = self.embed_weight
-        lm_head = self.lm_head_weight.to(dtype)
-
-        # First pass over the shared context: (x_{t+1}, fc(aux_t)) at position t, causal.
-        ctx_k: list[torch.Tensor] = []
-        ctx_v: list[torch.Tensor] = []
-        if num_ctx > 0:
-            cos, sin = rope_cos_sin(torch.arange(num_ctx, device=device), cfg.head_dim,
-                                    cfg.rope_theta, dtype)
-            causal = torch.ones(num_ctx, num_ctx, dtype=torch.bool, device=device).tril_()
-
-            def attend_ctx(i, q, k, v):
-                ctx_k.append(k)
-                ctx_v.append(v)
-                return grouped_attention(q, k, v, causal)
-
-            self._run_layers(embed[token_ids[1:max_anchor]].to(dtype), g[:num_ctx], cos, sin,
-                             attend_ctx)
-        else:
-            empty = g.new_zeros(cfg.num_kv_heads, 0, cfg.head_dim)
-            ctx_k, ctx_v = [empty] * cfg.num_layers, [empty] * cfg.num_layers
+        dtype, embed, lm_head = g.dtype, self.embed_weight, self.lm_head_weight.to(g.dtype)
+        ctx_k, ctx_v = self._context_kv(g, token_ids, num_ctx)
 
         # Chain: slot j of anchor a at position a-1+j sees context t < a-1 and its slots 0..j.
         ctx_visible = torch.arange(num_ctx, device=device)[None, :] < (anchors[:, None] - 1)
@@ -341,7 +359,7 @@ class Eagle3Drafter(SharedHeadDrafter):
         chain_v: list[list[torch.Tensor]] = [[] for _ in self.layers]
         tokens, hidden = anchor_tokens, g[anchors - 1]
         logits = []
-        for step in range(cfg.block_size):
+        for step in range(num_draft):
             cos, sin = rope_cos_sin(anchors - 1 + step, cfg.head_dim, cfg.rope_theta, dtype)
             mask = torch.cat([ctx_visible, own.repeat(1, step + 1)], dim=1)
 
@@ -356,7 +374,7 @@ class Eagle3Drafter(SharedHeadDrafter):
                                               attend_chain)
             step_logits = normed @ lm_head.T  # [M, vocab]
             logits.append(step_logits)
-            tokens = step_logits.detach().argmax(-1)
+            tokens = step_logits.detach().argmax(-1) if draft_tokens is None else draft_tokens[:, step]
         return torch.stack(logits, dim=1)
 
     forward = forward_chain
@@ -368,6 +386,8 @@ class Eagle3Drafter(SharedHeadDrafter):
         anchors: torch.Tensor,  # [M]
         anchor_tokens: torch.Tensor,  # [M]
         token_ids: torch.Tensor | None = None,  # [>= max(a)]
+        num_draft_tokens: int | None = None,  # K' in 1..K; None = K
     ) -> torch.Tensor:
-        """Greedy drafts [M, K], as vLLM's EAGLE proposer chains them."""
-        return self.forward_chain(aux_hidden, anchors, anchor_tokens, token_ids).argmax(-1)
+        """Greedy drafts [M, K'], as vLLM's EAGLE proposer chains them."""
+        return self.forward_chain(aux_hidden, anchors, anchor_tokens, token_ids,
+                                  num_draft_tokens=num_draft_tokens).argmax(-1)

@@ -80,6 +80,16 @@ def grouped_attention(
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
 
 
+def check_num_draft_tokens(num_draft_tokens: int | None, block_size: int) -> int:
+    """K' tokens to draft per block: ``num_draft_tokens`` checked to lie in 1..K, or K when None."""
+    if num_draft_tokens is None:
+        return block_size
+    if not 1 <= num_draft_tokens <= block_size:
+        raise ValueError(f"num_draft_tokens={num_draft_tokens} outside 1..K={block_size}: a drafter drafts "
+                         "at most its block size (config block_size)")
+    return int(num_draft_tokens)
+
+
 class SharedHeadDrafter(nn.Module):
     """Base of the drafters: reads target features at `cfg.target_layer_ids`
     and shares the target's embeddings and LM head (frozen buffers, never saved)."""

@@ -1,4 +1,5 @@
-"""Drafter architectures by name (`method`), and by vLLM architecture name."""
+"""Drafter architectures by name (`method`), and by vLLM architecture name; what a checkpoint's
+config.json says about its method and block size (K) is read here and nowhere else."""
 
 from __future__ import annotations
 
@@ -22,10 +23,22 @@ def drafter_class(method: str) -> type[nn.Module]:
     return DRAFTERS[method]
 
 
-def drafter_class_for_config(hf_config: dict) -> type[nn.Module]:
-    """The drafter class for a checkpoint's config.json."""
+def method_for_config(hf_config: dict) -> str:
+    """The drafter method (``dflash``, ``eagle3``) of a checkpoint's config.json, from its
+    ``architectures``: the one place that maps a checkpoint to its method."""
     archs = hf_config.get("architectures") or []
     for arch in archs:
         if arch in ARCHITECTURES:
-            return DRAFTERS[ARCHITECTURES[arch]]
-    raise ValueError(f"unsupported drafter architectures {archs}; supported: {sorted(ARCHITECTURES)}")
+            return ARCHITECTURES[arch]
+    raise ValueError(f"unsupported drafter architectures {archs} in config.json; supported: "
+                     f"{sorted(ARCHITECTURES)} (save the drafter with save_drafter, or register its class)")
+
+
+def drafter_class_for_config(hf_config: dict) -> type[nn.Module]:
+    """The drafter class for a checkpoint's config.json."""
+    return DRAFTERS[method_for_config(hf_config)]
+
+
+def block_size_for_config(hf_config: dict) -> int:
+    """K, the tokens the checkpoint drafts per block, read where its method stores it."""
+    return drafter_class_for_config(hf_config).config_cls.block_size_from_hf_config(hf_config)

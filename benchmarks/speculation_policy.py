@@ -1,0 +1,217 @@
+"""Speculation policy: `online-opd serve` (speculation auto) vs plain vLLM, output tokens/s at c=1, 8, 32.
+
+Fresh state: a fresh drafter (random, warm-started from the target: what
+`online-opd serve` starts from on a new machine) in an empty run folder. Two
+servers on identical requests (held-out ShareGPT prompts, temperature 0,
+`ignore_eos`, `--max-tokens` each):
+
+- `online-opd serve` with its defaults (speculation auto, capture on) and
+  `--drafter` naming the fresh drafter, which keeps the online trainer off
+  (`--train` turns it on: it shares the same cores, which is the trainer's
+  cost, not the policy's);
+- plain vLLM: `vllm serve` in-process (serve/server.py ``run_vllm_serve``) with
+  the same model and flags, no speculative config and no online-opd plugin.
+
+A round starts one server per mode; the order alternates between rounds. Per
+server and concurrency: warm-up requests, then a fixed closed-loop load; the
+ratio online-opd / plain of output tokens/s is reported per round and as the
+median. The target is >= 0.95 at every concurrency. From the online-opd
+server's admin status: the schedule the policy chose, the measured step costs
+t(b, K), the fitted cost model, the break-even tau (t(b, K) / t(b, 0)) per batch
+size, the exploration share and the drafts vLLM verified.
+
+    python benchmarks/speculation_policy.py --rounds 2 --out benchmarks/results/speculation_policy.json
+
+One JSON object on stdout (also written to --out); logs on stderr. The machine
+is shared (2 cores): a round's ratio moves by several percent either way.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from online_opd.speculation.costs import CostModel, StepCosts
+from online_opd.speculation.policy import break_even_taus
+from serve.launcher import ROOT, ServerProcess, free_port
+from serve.loadgen import LoadConfig, run_load
+
+logger = logging.getLogger("speculation_policy")
+
+TOKEN = "speculation-policy-bench"
+TARGET_RATIO = 0.95
+CONCURRENCIES = (1, 8, 32)
+
+
+def make_fresh_drafter(cfg_path: Path, out: Path) -> tuple[Path, Path]:
+    """(target folder, fresh drafter checkpoint) as `online-opd serve` would make them."""
+    import torch
+
+    from online_opd.config import load_config
+    from online_opd.models.drafters.checkpoint import save_drafter
+    from online_opd.models.drafters.factory import new_drafter
+    from online_opd.models.target_model import TargetModel
+    from serve.pipeline import load_tokenizer, resolve_target
+
+    cfg = load_config(cfg_path)
+    target = resolve_target(cfg, progress=False)
+    target_model = TargetModel.from_pretrained(target, dtype=torch.float32)
+    drafter = new_drafter(cfg.drafter, target_model.config, load_tokenizer(target), target_model)
+    return target, save_drafter(drafter, out, version="v0001", metrics={"origin": "fresh"})
+
+
+class PlainServer:
+    """`vllm serve` with online-opd's flags minus speculation, no plugin of this project loaded."""
+
+    def __init__(self, run_dir: Path, target: Path, args: argparse.Namespace):
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        run_dir.mkdir(parents=True, exist_ok=True)
+        self.log = open(run_dir / "server.log", "w")
+        argv = ["serve", str(target), "--host", "127.0.0.1", "--port", str(self.port), "--dtype", "float32",
+                "--max-model-len", "2048", "--served-model-name", target.name, "--enforce-eager",
+                "--max-num-seqs", str(args.max_num_seqs)]
+        code = f"from serve.server import run_vllm_serve; run_vllm_serve({argv!r})"
+        env = {**os.environ, "VLLM_PLUGINS": "", "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "2")}
+        self.proc = subprocess.Popen([sys.executable, "-c", code], cwd=ROOT, stdout=self.log,
+                                     stderr=subprocess.STDOUT, env=env, start_new_session=True)
+
+    wait_ready = ServerProcess.wait_ready
+    stop = ServerProcess.stop
+
+    def tail(self, n: int = 8000) -> str:
+        self.log.flush()
+        return Path(self.log.name).read_text()[-n:]
+
+
+def measure(url: str, args: argparse.Namespace) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for concurrency in CONCURRENCIES:
+        common = dict(base_url=f"{url}/v1", prompts="sharegpt", split="held_out", num_prompts=256,
+                      max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True, concurrency=concurrency,
+                      progress=False)
+        run_load(LoadConfig(**common, seed=1, num_requests=max(args.warmup, concurrency)))
+        summary = run_load(LoadConfig(**common, seed=0, num_requests=args.requests_per_worker * concurrency))
+        logger.info("  c=%d: %.1f tokens/s (%d ok, %d failed, %.1f s)", concurrency,
+                    summary["output_tokens_per_s"], summary["requests_ok"], summary["requests_failed"],
+                    summary["wall_s"])
+        out[str(concurrency)] = {k: summary[k] for k in (
+            "output_tokens_per_s", "output_tokens", "requests_ok", "requests_failed", "wall_s")}
+    return out
+
+
+def policy_figures(server: ServerProcess, max_k: int) -> dict[str, Any]:
+    """The policy's schedule, costs, cost model and break-even taus from the admin status."""
+    status = server.admin("GET", "/status").json()
+    spec = status.get("speculation") or {}
+    metrics = server.metrics()
+    costs = spec.get("costs") or []
+    model = CostModel(StepCosts.from_rows(costs))
+    sizes = sorted({int(r[0]) for r in costs})
+    return {
+        "schedule": spec.get("schedule"), "acceptance_used": spec.get("acceptance_used"),
+        "acceptance_source": spec.get("acceptance_source"), "num_changes": spec.get("num_changes"),
+        "steps": spec.get("steps"), "explored_steps": spec.get("explored_steps"),
+        "exploration_share": (spec["explored_steps"] / spec["steps"]) if spec.get("steps") else None,
+        "step_costs": [{"batch_size": int(b), "k": int(k), "seconds": round(s, 5), "num_steps": int(n)}
+                       for b, k, s, n, *_ in costs],
+        "cost_model": model.describe(),
+        "break_even_tau": {str(b): [None if t is None else round(t, 3) for t in break_even_taus(model, b, max_k)]
+                           for b in sizes},
+        "drafts_verified": metrics.get("vllm:spec_decode_num_drafts_total"),
+        "draft_tokens_accepted": metrics.get("vllm:spec_decode_num_accepted_tokens_total"),
+    }
+
+
+def run_mode(mode: str, run_dir: Path, target: Path, drafter: Path, args: argparse.Namespace) -> dict:
+    start = time.perf_counter()
+    if mode == "plain":
+        server: Any = PlainServer(run_dir, target, args)
+    else:
+        extra = [] if args.train else ["--drafter", str(drafter)]
+        server = ServerProcess(run_dir, args.config, *extra, "--max-num-seqs", str(args.max_num_seqs), token=TOKEN)
+    try:
+        server.wait_ready(timeout=900)
+        logger.info("%s: ready in %.0f s", mode, time.perf_counter() - start)
+        result: dict[str, Any] = {"by_concurrency": measure(server.url, args)}
+        if mode == "online-opd":
+            result["policy"] = policy_figures(server, args.max_k)
+        return result
+    finally:
+        server.stop()
+
+
+def summarize(rounds: list[dict]) -> dict[str, Any]:
+    out = {}
+    for c in map(str, CONCURRENCIES):
+        ratios = [r["ratio"][c] for r in rounds if r["ratio"][c] is not None]
+        median = round(statistics.median(ratios), 4) if ratios else None
+        out[c] = {"ratio_median": median, "ratio_per_round": ratios,
+                  "tokens_per_s_online_opd": [r["tokens_per_s"]["online-opd"][c] for r in rounds],
+                  "tokens_per_s_plain": [r["tokens_per_s"]["plain"][c] for r in rounds],
+                  "target_met": median is not None and median >= TARGET_RATIO}
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("-c", "--config", type=Path, default=ROOT / "configs" / "default.yaml")
+    parser.add_argument("--rounds", type=int, default=2, help="server pairs; the order alternates (default 2)")
+    parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--requests-per-worker", type=int, default=4, help="measured requests = this x c")
+    parser.add_argument("--warmup", type=int, default=4)
+    parser.add_argument("--max-num-seqs", type=int, default=32)
+    parser.add_argument("--max-k", type=int, default=4, help="the drafter's block size (break-even taus)")
+    parser.add_argument("--train", action="store_true", help="online-opd serve with its online trainer on")
+    parser.add_argument("--out", type=Path, default=None, help="also write the JSON here")
+    args = parser.parse_args()
+    logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(asctime)s %(name)s: %(message)s")
+    for name in ("httpx", "openai"):
+        logging.getLogger(name).setLevel(logging.WARNING)
+    args.config = args.config.resolve()
+    with tempfile.TemporaryDirectory(prefix="speculation-policy-") as tmp:
+        base = Path(tmp)
+        target, drafter = make_fresh_drafter(args.config, base / "fresh-drafter")
+        rounds = []
+        for r in range(args.rounds):
+            order = ("online-opd", "plain") if r % 2 == 0 else ("plain", "online-opd")
+            modes = {m: run_mode(m, base / f"round{r}-{m}", target, drafter, args) for m in order}
+            tps = {m: {c: v["output_tokens_per_s"] for c, v in modes[m]["by_concurrency"].items()} for m in modes}
+            rounds.append({"round": r, "order": list(order), "tokens_per_s": tps,
+                           "ratio": {c: round(tps["online-opd"][c] / tps["plain"][c], 4) if tps["plain"][c] else None
+                                     for c in tps["plain"]},
+                           "policy": modes["online-opd"]["policy"],
+                           "detail": {m: modes[m]["by_concurrency"] for m in modes}})
+    per_concurrency = summarize(rounds)
+    result = {
+        "benchmark": "speculation_policy", "config": str(args.config), "rounds": args.rounds,
+        "online_opd_serve": "defaults (speculation auto, capture on), fresh drafter"
+                            + (", online trainer on" if args.train else ", online trainer off (--drafter)"),
+        "plain": "vllm serve, same model and flags, no speculative config, no online-opd plugin",
+        "max_tokens": args.max_tokens, "max_num_seqs": args.max_num_seqs,
+        "prompts": "sharegpt held_out, temperature 0, ignore_eos",
+        "target": f"output tokens/s online-opd / plain >= {TARGET_RATIO} at c=1, 8, 32 (median over rounds)",
+        "per_concurrency": per_concurrency,
+        "target_met": all(v["target_met"] for v in per_concurrency.values()),
+        "requests_failed": sum(d[c]["requests_failed"] for r in rounds for d in r["detail"].values() for c in d),
+        "rounds_detail": rounds,
+        "note": "each mode in its own server process; shared 2-core machine, expect noise of a few %",
+    }
+    text = json.dumps(result, indent=2)
+    if args.out is not None:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(text + "\n")
+    print(text, flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,124 @@
+"""Engine step costs t(b, K): seconds per step for b running requests and K speculative tokens.
+
+``StepCosts`` keeps one bucket per (b, K) measured on the running engine (K = 0:
+a step without drafts): the mean of its first ``1/alpha`` steps, then an
+exponentially weighted mean (weight ``alpha``) that follows drift, such as a
+trainer starting on the same cores. Only steady decode steps are observed (the
+engine hook decides which: vllm_patches/speculation.py).
+
+``CostModel`` predicts t(b, K) everywhere from those buckets. A bucket with at
+least ``min_steps`` steps is used as measured. Elsewhere the model
+
+    t(b, K) = c0 + c1 b + c2 K + c3 b K
+
+fitted by least squares over the buckets (weight: the bucket's step count,
+capped): a fixed part per step, a part per request (the target's token and the
+drafter's context for it), a part per speculative token that does not depend on
+b (the drafter's block query) and a part per verified token (the target's
+forward over b K drafts). When the buckets cannot identify all four
+coefficients (e.g. no step with K > 0 measured yet at two batch sizes) the
+model drops terms in the order c2, then c3; without a K term it only predicts
+K = 0 and returns None for K > 0: the cost of speculating is then unknown.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+#: basis terms of t(b, K), in the order the fit drops them from the end of each candidate list
+_BASES = (("1", "b", "k", "bk"), ("1", "b", "bk"), ("1", "b"), ("1",))
+_MIN_SECONDS = 1e-6
+
+
+@dataclass
+class CostBucket:
+    seconds: float  # mean seconds per step (running mean, then EWMA)
+    num_steps: int
+    total_seconds: float = 0.0  # every observed step, for measured rates over a window
+    total_tokens: int = 0  # output tokens those steps produced
+
+
+class StepCosts:
+    """Measured seconds per engine step by (batch size, K)."""
+
+    def __init__(self, alpha: float = 0.05):
+        if not 0 < alpha <= 1:
+            raise ValueError(f"alpha={alpha}: the EWMA weight must be in (0, 1]")
+        self.alpha = alpha
+        self.buckets: dict[tuple[int, int], CostBucket] = {}
+
+    def observe(self, batch_size: int, k: int, seconds: float, num_tokens: int = 0) -> None:
+        """One step of ``batch_size`` requests at ``k`` that took ``seconds`` and output ``num_tokens``."""
+        bucket = self.buckets.get((batch_size, k))
+        if bucket is None:
+            self.buckets[(batch_size, k)] = CostBucket(seconds, 1, seconds, num_tokens)
+            return
+        bucket.num_steps += 1
+        bucket.total_seconds += seconds
+        bucket.total_tokens += num_tokens
+        weight = max(self.alpha, 1.0 / bucket.num_steps)  # the plain mean until 1/alpha steps
+        bucket.seconds += weight * (seconds - bucket.seconds)
+
+    def to_rows(self) -> list[list[float]]:
+        """JSON-safe ``[[b, K, seconds, num_steps, total_seconds, total_tokens], ...]`` sorted by (b, K)."""
+        return [[b, k, v.seconds, v.num_steps, v.total_seconds, v.total_tokens]
+                for (b, k), v in sorted(self.buckets.items())]
+
+    @classmethod
+    def from_rows(cls, rows: list[list[float]], alpha: float = 0.05) -> StepCosts:
+        costs = cls(alpha)
+        for b, k, seconds, n, total_seconds, total_tokens in rows:
+            costs.buckets[(int(b), int(k))] = CostBucket(float(seconds), int(n), float(total_seconds),
+                                                         int(total_tokens))
+        return costs
+
+
+def _features(terms: tuple[str, ...], b: np.ndarray, k: np.ndarray) -> np.ndarray:
+    columns = {"1": np.ones_like(b), "b": b, "k": k, "bk": b * k}
+    return np.stack([columns[t] for t in terms], axis=1)
+
+
+class CostModel:
+    """t(b, K) from measured buckets: measured where well sampled, fitted elsewhere (module docstring)."""
+
+    def __init__(self, costs: StepCosts, *, min_steps: int = 8, max_weight: int = 50):
+        self.measured = {key: v.seconds for key, v in costs.buckets.items() if v.num_steps >= min_steps}
+        self.terms: tuple[str, ...] = ()
+        self.coefficients = np.zeros(0)
+        rows = [(b, k, v.seconds, min(v.num_steps, max_weight)) for (b, k), v in costs.buckets.items()]
+        for terms in _BASES:
+            usable = rows if ("k" in terms or "bk" in terms) else [r for r in rows if r[1] == 0]
+            if self._fit(terms, usable):
+                break
+
+    def _fit(self, terms: tuple[str, ...], rows: list[tuple[int, int, float, int]]) -> bool:
+        if len(rows) < len(terms):
+            return False
+        b, k, y, w = (np.array(c, dtype=np.float64) for c in zip(*rows))
+        x = _features(terms, b, k)
+        if np.linalg.matrix_rank(x) < len(terms):
+            return False
+        root = np.sqrt(w)[:, None]
+        self.coefficients = np.linalg.lstsq(x * root, y * root[:, 0], rcond=None)[0]
+        self.terms = terms
+        return True
+
+    @property
+    def knows_speculation(self) -> bool:
+        """Whether t(b, K > 0) can be predicted (some K term is identified)."""
+        return "k" in self.terms or "bk" in self.terms
+
+    def seconds(self, batch_size: int, k: int) -> float | None:
+        """Predicted seconds per step; None when nothing measured supports it."""
+        if (batch_size, k) in self.measured:
+            return self.measured[(batch_size, k)]
+        if not self.terms or (k > 0 and not self.knows_speculation):
+            return None
+        x = _features(self.terms, np.array([float(batch_size)]), np.array([float(k)]))
+        return max(float((x @ self.coefficients)[0]), _MIN_SECONDS)
+
+    def describe(self) -> dict[str, float]:
+        """The fitted coefficients by term (``{"1": c0, "b": c1, ...}``), for logs and benchmarks."""
+        return {t: float(c) for t, c in zip(self.terms, self.coefficients)}

@@ -1,0 +1,249 @@
+"""The online trainer in a child process of `online-opd serve`, restarted when it dies.
+
+Ray ends a driver whose cluster head (GCS) is gone, after
+``gcs_rpc_server_reconnect_timeout_s``: with the Ray driver inside the API
+server, a killed Ray head would take serving down with it. So the server runs
+``python -m serve.trainer_process`` as a child instead. The child reads one
+JSON line on stdin (``TrainerSpec``), starts (or joins) Ray and the trainer
+actor (serve/trainer_actor.py), and writes the actor's ``stats()`` to stdout
+as one JSON line every ``POLL_S`` (``null`` while the actor does not answer:
+loading, or being restarted by Ray). A line ``stop`` on stdin, stdin closing
+(the server died) or SIGINT/SIGTERM stop the trainer (its state saved) and
+Ray. The child's own stdout is the protocol only: everything else that
+writes there (Ray, the trainer's prints) goes to stderr, the server's log.
+The child runs in a session of its own: a signal to the server's process
+group (Ctrl-C, ``kill -TERM -PGID``) must not reach Ray's processes before the
+server has asked the trainer to save its state and stop. Once the child has
+exited, whatever is left in its process group (Ray's agents outlive a lost
+head) is killed.
+
+``TrainerProcess`` is the server's side: it reads the lines, answers
+``stats()`` for /metrics (``{"up": False, "restarts": ...}`` while the trainer
+cannot answer), restarts the child when it exits on its own (the Ray head
+was killed, or the actor used up its Ray restarts) with a doubling back-off,
+and counts restarts by level: ``actor`` when Ray restarted the actor (its pid
+changed), ``ray`` when the child and its Ray were started again. Each
+restart is logged once, at WARNING or ERROR.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import IO, Any
+
+from pydantic import BaseModel, ConfigDict
+
+logger = logging.getLogger("online_opd.trainer_process")
+
+POLL_S = 1.0  # seconds between the child's stats lines
+STATS_TIMEOUT_S = 5.0  # the child's wait for the actor's answer
+STALE_S = 20.0  # no line for this long: the trainer counts as down
+EXIT_ACTOR_GONE = 3  # the child's exit code when the actor is dead for good
+ROOT = Path(__file__).resolve().parents[1]
+
+
+class TrainerSpec(BaseModel):
+    """What the child needs to start the trainer actor (``start_trainer``'s arguments)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    config: dict
+    target_path: str
+    buffer_dir: str
+    registry_dir: str
+    state_dir: str
+
+
+class TrainerProcess:
+    """Runs and supervises the trainer child (module docstring); ``stats`` is safe from any thread."""
+
+    def __init__(self, spec: TrainerSpec, *, backoff_s: tuple[float, float] = (2.0, 60.0),
+                 stale_s: float = STALE_S, command: list[str] | None = None) -> None:
+        self.spec = spec
+        self.command = command or [sys.executable, "-m", "serve.trainer_process"]
+        self.backoff_s = backoff_s
+        self.stale_s = stale_s
+        self._lock = threading.Lock()
+        self._latest: dict | None = None
+        self._latest_at = 0.0
+        self._pid: int | None = None  # the actor's process, to see Ray restart it
+        self._restarts = {"actor": 0, "ray": 0}
+        self._stopping = threading.Event()
+        self._proc: subprocess.Popen | None = None
+        self._thread = threading.Thread(target=self._supervise, name="online-opd-trainer-process", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stats(self) -> dict[str, Any]:
+        """The actor's latest figures plus ``up`` and ``restarts``; ``up`` False when stale or none."""
+        with self._lock:
+            restarts = dict(self._restarts)
+            is_fresh = time.monotonic() - self._latest_at < self.stale_s
+            if self._latest is None or not is_fresh:
+                return {"up": False, "restarts": restarts}
+            return {**self._latest, "up": True, "restarts": restarts}
+
+    def stop(self, timeout: float = 90.0) -> dict[str, Any]:
+        """Ask the child to stop the trainer (state saved) and Ray; kill it after ``timeout``."""
+        last = self.stats()
+        with self._lock:  # no child is spawned after this
+            self._stopping.set()
+            proc = self._proc
+        if proc is not None and proc.poll() is None:
+            try:
+                proc.stdin.write("stop\n")
+                proc.stdin.flush()
+            except (BrokenPipeError, ValueError, OSError):
+                pass
+            try:
+                proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                logger.error("online trainer process did not stop in %.0fs: killing it", timeout)
+                proc.kill()
+                proc.wait(30)
+        self._thread.join(10)
+        return last
+
+    def _supervise(self) -> None:
+        delay = self.backoff_s[0]
+        while True:
+            started = time.monotonic()
+            with self._lock:
+                if self._stopping.is_set():
+                    return
+                proc = self._proc = self._spawn()
+            reader = threading.Thread(target=self._read, args=(proc.stdout,), daemon=True)
+            reader.start()
+            code = proc.wait()
+            _kill_group(proc.pid)  # what its Ray left behind (e.g. agents of a lost head)
+            reader.join(5.0)
+            with self._lock:
+                self._latest, self._pid = None, None
+            if self._stopping.is_set():
+                return
+            if time.monotonic() - started > 10 * self.backoff_s[1]:
+                delay = self.backoff_s[0]  # it ran long enough: a fresh failure, not a crash loop
+            why = "its trainer actor is gone for good" if code == EXIT_ACTOR_GONE else \
+                "Ray's head was lost, or it crashed"
+            logger.error("online trainer process exited with code %s (%s); starting it and Ray again in "
+                         "%.0fs (serving is unaffected)", code, why, delay)
+            if self._stopping.wait(delay):
+                return
+            delay = min(2 * delay, self.backoff_s[1])
+            with self._lock:
+                self._restarts["ray"] += 1
+
+    def _spawn(self) -> subprocess.Popen:
+        proc = subprocess.Popen(self.command, cwd=ROOT, text=True, stdin=subprocess.PIPE,
+                                stdout=subprocess.PIPE, bufsize=1, start_new_session=True)
+        proc.stdin.write(self.spec.model_dump_json() + "\n")
+        proc.stdin.flush()
+        logger.info("online trainer process started (pid %d)", proc.pid)
+        return proc
+
+    def _read(self, lines: IO[str]) -> None:
+        for line in lines:
+            try:
+                stats = json.loads(line)
+            except json.JSONDecodeError:
+                logger.warning("online trainer process: unreadable line %r", line[:200])
+                continue
+            self._observe(stats if isinstance(stats, dict) else None)
+
+    def _observe(self, stats: dict | None) -> None:
+        with self._lock:
+            self._latest, self._latest_at = stats, time.monotonic()
+            pid = None if stats is None else stats.get("pid")
+            if pid is None:
+                return
+            previous, self._pid = self._pid, pid
+            if previous is None or previous == pid:
+                return
+            self._restarts["actor"] += 1
+        logger.warning("online trainer actor restarted by Ray (pid %s -> %s); it resumes from its state",
+                       previous, pid)
+
+
+def _kill_group(pgid: int) -> None:
+    """SIGKILL the child's process group (its session: only its own Ray processes are in it)."""
+    try:
+        os.killpg(pgid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+# ------------------------------------------------------------------------------------- the child
+
+
+def _watch_stdin(stop: threading.Event) -> None:
+    """Stop on a ``stop`` line or when stdin closes (the server is gone)."""
+    for line in sys.stdin:
+        if line.strip() == "stop":
+            break
+    stop.set()
+
+
+def _poll(handle) -> tuple[dict | None, bool]:
+    """(the actor's stats or None while it does not answer, whether it is dead for good)."""
+    import ray
+    from ray.exceptions import ActorDiedError
+
+    try:
+        return ray.get(handle.stats.remote(), timeout=STATS_TIMEOUT_S), False
+    except ActorDiedError:
+        return None, True
+    except Exception as exc:  # timed out, restarting, unavailable
+        logger.debug("trainer stats unavailable: %r", exc)
+        return None, False
+
+
+def main() -> int:
+    protocol = os.fdopen(os.dup(sys.stdout.fileno()), "w", buffering=1)
+    os.dup2(sys.stderr.fileno(), sys.stdout.fileno())  # Ray and stray prints: to the log, not the protocol
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    from online_opd.config import OnlineOPDConfig
+    from serve.signals import stop_on_signals
+    from serve.trainer_actor import start_trainer, stop_trainer
+
+    spec = TrainerSpec.model_validate_json(sys.stdin.readline())
+    stop = threading.Event()
+    threading.Thread(target=_watch_stdin, args=(stop,), daemon=True).start()
+    handle = start_trainer(OnlineOPDConfig.model_validate(spec.config), target_path=Path(spec.target_path),
+                           buffer_dir=Path(spec.buffer_dir), registry_dir=Path(spec.registry_dir),
+                           state_dir=Path(spec.state_dir))
+    with stop_on_signals(stop=stop):  # after ray.init, which installs handlers of its own
+        code = _report(handle, stop, protocol)
+        final = stop_trainer(handle) if code == 0 else None
+    if final:
+        logger.info("online trainer stopped after %s steps", final.get("steps"))
+    import ray
+
+    ray.shutdown()
+    return code
+
+
+def _report(handle, stop: threading.Event, protocol: IO[str]) -> int:
+    """Write the actor's stats every ``POLL_S`` until ``stop``; the exit code for ``main``."""
+    while not stop.wait(POLL_S):
+        stats, is_gone = _poll(handle)
+        if is_gone:
+            logger.error("online trainer actor is dead and Ray will not restart it (online.max_restarts)")
+            return EXIT_ACTOR_GONE
+        try:
+            protocol.write(json.dumps(stats) + "\n")
+        except BrokenPipeError:  # the server is gone: stdin closes too
+            stop.set()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

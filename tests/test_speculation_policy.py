@@ -1,0 +1,191 @@
+"""The speculation policy, its cost model and acceptance estimates, on hand-computed cases."""
+
+from __future__ import annotations
+
+import itertools
+import random
+
+import pytest
+
+from online_opd.speculation.acceptance import AcceptanceCounts, geometric_profile
+from online_opd.speculation.costs import CostModel, StepCosts
+from online_opd.speculation.policy import (
+    break_even_taus,
+    choose_k,
+    clean_profile,
+    compress,
+    decide,
+    expected_tokens,
+)
+
+
+def linear_costs(points, c=(0.1, 0.02, 0.01, 0.015), num_steps=20) -> StepCosts:
+    """Buckets of exactly t(b, K) = c0 + c1 b + c2 K + c3 b K."""
+    costs = StepCosts()
+    for b, k in points:
+        for _ in range(num_steps):
+            costs.observe(b, k, c[0] + c[1] * b + c[2] * k + c[3] * b * k)
+    return costs
+
+
+# -- choose_k -------------------------------------------------------------------------------------
+def test_chooses_zero_where_speculating_costs_more_than_it_yields():
+    # goodput: K=0 1/1 = 1; K=1 1.3/1.5 = 0.867; K=2 1.4/2 = 0.7
+    assert choose_k([1.0, 1.5, 2.0], [0.3, 0.1]) == 0
+
+
+def test_chooses_the_k_with_the_highest_goodput():
+    # K=0 1.0; K=1 1.8/1.2 = 1.5; K=2 2.4/1.4 = 1.714
+    assert choose_k([1.0, 1.2, 1.4], [0.8, 0.6]) == 2
+    # a_2 lower: K=2 2.0/1.4 = 1.429 < K=1 1.5
+    assert choose_k([1.0, 1.2, 1.4], [0.8, 0.2]) == 1
+
+
+def test_exact_break_even_keeps_the_serving_k():
+    # tau(1) = 1.5 = t(1) / t(0): both yield exactly 1 token per second
+    assert choose_k([1.0, 1.5], [0.5]) == 0
+    assert choose_k([1.0, 1.5], [0.5], current_k=1) == 1
+    assert choose_k([1.0, 1.5], [0.5 + 1e-9]) == 1
+
+
+def test_margin_is_a_strict_relative_threshold():
+    # goodput(1) = 1.5 / 1.25 = 1.2 = (1 + 0.2) goodput(0): not more than the margin
+    assert choose_k([1.0, 1.25], [0.5], margin=0.2) == 0
+    assert choose_k([1.0, 1.25], [0.5], margin=0.19) == 1
+    # leaving K=1 for K=0 needs the margin too: goodput(0) = 1 vs goodput(1) = 1.1 / 1.25 = 0.88
+    assert choose_k([1.0, 1.25], [0.1], current_k=1, margin=0.2) == 1  # 1 <= 1.2 * 0.88 = 1.056
+    assert choose_k([1.0, 1.25], [0.1], current_k=1, margin=0.1) == 0  # 1 > 1.1 * 0.88 = 0.968
+
+
+def test_unknown_costs_are_never_chosen():
+    assert choose_k([1.0, None, 1.2], [0.9, 0.9]) == 2
+    assert choose_k([None, None], [0.9], current_k=1) == 1
+
+
+@pytest.mark.parametrize("margin", [0.0, 0.05])
+def test_choice_is_monotone_in_acceptance(margin):
+    rng = random.Random(0)
+    alphas = [i / 50 for i in range(51)]
+    for _ in range(200):
+        steps = sorted(rng.uniform(0.5, 3.0) for _ in range(5))  # t(K) non-decreasing in K
+        for current in (0, 2, 4):
+            chosen = [choose_k(steps, geometric_profile(1 + sum(a ** k for k in range(1, 5)), 4, 4),
+                               current_k=current, margin=margin) for a in alphas]
+            assert chosen == sorted(chosen), (steps, current, chosen)
+            scaled = [choose_k(steps, [c * a for a in (0.5, 0.3, 0.2, 0.1)], current_k=current,
+                               margin=margin) for c in (0.0, 0.5, 1.0, 1.5, 2.0)]
+            assert scaled == sorted(scaled), (steps, current, scaled)
+
+
+# -- profiles and tau -----------------------------------------------------------------------------
+def test_expected_tokens_and_clean_profile():
+    assert expected_tokens([0.5, 0.25, 0.125], 0) == 1.0
+    assert expected_tokens([0.5, 0.25, 0.125], 2) == 1.75
+    # clipped to [0, 1], made non-increasing, unknown positions count as 0
+    assert clean_profile([1.2, 0.5, 0.7, None], 5) == [1.0, 0.5, 0.5, 0.0, 0.0]
+
+
+def test_acceptance_counts_divide_by_blocks_that_reached_the_position():
+    counts = AcceptanceCounts()
+    for drafted, accepted in [(4, 2), (2, 2), (4, 0), (1, 1)]:
+        counts.observe(drafted, accepted)
+    assert counts.num_reaching == [4, 3, 2, 2]
+    assert counts.num_accepted == [3, 2, 0, 0]
+    assert counts.profile(min_blocks=1) == [0.75, 2 / 3, 0.0, 0.0]
+    assert counts.profile(min_blocks=3) == [0.75, 2 / 3, None, None]
+    later = AcceptanceCounts.from_dict(counts.to_dict())
+    later.observe(4, 4)
+    delta = later - counts
+    assert (delta.num_reaching, delta.num_accepted, delta.num_drafts) == ([1, 1, 1, 1], [1, 1, 1, 1], 1)
+
+
+def test_geometric_profile_inverts_tau():
+    assert geometric_profile(1.75, 2, 3) == pytest.approx([0.5, 0.25, 0.125])
+    assert geometric_profile(1.0, 4, 2) == [0.0, 0.0]
+    assert geometric_profile(5.0, 4, 2) == [1.0, 1.0]
+    with pytest.raises(ValueError, match="block_size=0"):
+        geometric_profile(1.5, 0, 2)
+
+
+# -- costs ----------------------------------------------------------------------------------------
+def test_step_costs_mean_then_ewma():
+    costs = StepCosts(alpha=0.5)
+    for seconds in (1.0, 2.0, 3.0):
+        costs.observe(2, 0, seconds, num_tokens=2)
+    # weights max(0.5, 1/n): 1 -> 1.5 (w 1/2) -> 2.25 (w 1/2)
+    assert costs.to_rows() == [[2, 0, 2.25, 3, 6.0, 6]]
+    assert StepCosts.from_rows(costs.to_rows()).to_rows() == costs.to_rows()
+    with pytest.raises(ValueError, match="alpha=0"):
+        StepCosts(alpha=0)
+
+
+def test_cost_model_fits_the_bilinear_model_and_uses_measured_buckets():
+    costs = linear_costs([(1, 0), (2, 0), (4, 0), (8, 0), (1, 4), (8, 4)])
+    model = CostModel(costs)
+    assert model.knows_speculation
+    assert model.describe() == pytest.approx({"1": 0.1, "b": 0.02, "k": 0.01, "bk": 0.015})
+    assert model.seconds(4, 2) == pytest.approx(0.1 + 0.08 + 0.02 + 0.12)
+    costs.observe(16, 0, 5.0)  # one step: not enough to be used as measured, but in the fit
+    assert CostModel(costs, min_steps=2).seconds(16, 0) != 5.0
+    assert CostModel(costs, min_steps=1).seconds(16, 0) == 5.0
+
+
+def test_cost_model_with_partial_measurements():
+    assert CostModel(StepCosts()).seconds(1, 0) is None
+    only_plain = CostModel(linear_costs([(1, 0), (4, 0)]))
+    assert not only_plain.knows_speculation
+    assert only_plain.seconds(2, 0) == pytest.approx(0.1 + 0.04)
+    assert only_plain.seconds(2, 1) is None
+    one_size = CostModel(linear_costs([(1, 0)]), min_steps=1000)
+    assert one_size.describe() == pytest.approx({"1": 0.12})
+    # K > 0 at one batch size only: c2 and c3 cannot both be told apart, the b K term is kept
+    partial = CostModel(linear_costs([(1, 0), (4, 0), (1, 4)]), min_steps=1000)
+    assert partial.terms == ("1", "b", "bk")
+    assert partial.seconds(1, 4) == pytest.approx(0.12 + 0.04 + 0.06)
+
+
+def test_break_even_taus():
+    model = CostModel(linear_costs([(1, 0), (2, 0), (4, 0), (8, 0), (1, 4), (8, 4)]))
+    # b = 2: t(2, 0) = 0.14, t(2, K) = 0.14 + 0.04 K
+    assert break_even_taus(model, 2, 2) == pytest.approx([0.18 / 0.14, 0.22 / 0.14])
+    assert break_even_taus(CostModel(linear_costs([(1, 0), (4, 0)])), 2, 1) == [None]
+
+
+# -- decide ---------------------------------------------------------------------------------------
+def test_compress_to_vllm_ranges():
+    assert compress([0, 4, 4, 0, 0, 2]) == [(1, 2, 4), (3, 4, 0), (5, 5, 2)]
+    assert compress([0, 0]) == [(1, 1, 0)]
+
+
+def test_decide_without_measurements_is_conservative():
+    useless = decide(None, [], max_k=4, max_batch_size=8)
+    assert useless.schedule == [(1, 8, 0)] and useless.is_conservative
+    # prior at b = 1: tau = 1, 1.9, 2.7, 3.4, 4.0 over 1 + 0.125 K -> 1, 1.69, 2.16, 2.47, 2.67: K = 4
+    good = decide(None, [0.9, 0.8, 0.7, 0.6], max_k=4, max_batch_size=8)
+    assert good.schedule == [(1, 1, 4), (2, 8, 0)]
+    # weak acceptance does not pass the prior: tau(1) = 1.1 < 1.125
+    assert decide(None, [0.1], max_k=4, max_batch_size=8).schedule == [(1, 8, 0)]
+
+
+def test_decide_per_batch_size_from_the_cost_model():
+    # t(b, K) = 0.1 + 0.02 b + 0.01 K + 0.015 b K; a_k = 0.5^k
+    model = CostModel(linear_costs([(1, 0), (2, 0), (4, 0), (8, 0), (1, 4), (8, 4)]))
+    profile = [0.5, 0.25, 0.125, 0.0625]
+    decision = decide(model, profile, max_k=4, max_batch_size=8, margin=0.0)
+    for b in range(1, 9):
+        seconds = [0.1 + 0.02 * b + 0.01 * k + 0.015 * b * k for k in range(5)]
+        goodput = [expected_tokens(profile, k) / t for k, t in enumerate(seconds)]
+        best = max(range(5), key=lambda k: (goodput[k], -k))
+        assert decision.lookup[b] == best, b
+        assert decision.predicted_goodput[b] == pytest.approx(b * goodput[best])
+    assert decision.lookup[1] > 0 and decision.lookup[8] == 0  # pays at b = 1 only
+    assert not decision.is_conservative
+    assert compress(decision.lookup) == decision.schedule
+
+
+def test_decide_keeps_the_serving_schedule_inside_the_margin():
+    model = CostModel(linear_costs(list(itertools.product([1, 2, 4, 8], [0, 4]))))
+    first = decide(model, [0.5, 0.25, 0.125, 0.0625], max_k=4, max_batch_size=8, margin=0.0)
+    nudged = decide(model, [0.51, 0.26, 0.13, 0.07], max_k=4, max_batch_size=8, margin=0.2,
+                    current=first.lookup)
+    assert nudged.lookup == first.lookup

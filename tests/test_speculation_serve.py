@@ -1,0 +1,141 @@
+"""`online-opd serve --speculation auto` on the real vLLM CPU engine.
+
+One server starts on a drafter with random weights (acceptance about 0): the
+policy keeps speculation off (only the bounded exploration drafts) and greedy
+outputs stay the target's. A hot reload then brings the memorising drafter
+(tests/serving.py): the policy learns its acceptance from exploration bursts
+and speculates at batch size 1; outputs stay the target's, and every block
+vLLM drafted, many of them right after stretches of K = 0 steps, equals the
+torch drafter's greedy block at its anchor (the drafter's context K/V were kept
+during the K = 0 steps).
+"""
+
+from __future__ import annotations
+
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+import torch
+
+from online_opd.models.drafters.checkpoint import load_drafter, save_drafter
+from online_opd.models.target import ensure_embedded_target
+from online_opd.models.target_model import TargetModel
+from online_opd.opd.rollout import propose_all
+from online_opd.traces.buffer import BufferReader
+from online_opd.train.sequences import TrainSequence, load_sequences
+from tests.serving import Server
+
+pytestmark = pytest.mark.slow
+MAX_TOKENS = 48
+
+
+@pytest.fixture(scope="module")
+def rollouts(trained_run):
+    seqs = load_sequences(trained_run / "rollouts.safetensors")
+    return [(s.tokens[: s.prompt_len].tolist(), s.tokens[s.prompt_len:].tolist()) for s in seqs]
+
+
+@pytest.fixture(scope="module")
+def server(trained_run, tmp_path_factory):
+    random_drafter = load_drafter(trained_run / "drafter")
+    torch.manual_seed(0)
+    with torch.no_grad():
+        for p in random_drafter.parameters():
+            if p.dim() == 2:
+                p.normal_(0.0, 0.02)
+    root = tmp_path_factory.mktemp("speculation")
+    random_path = save_drafter(random_drafter, root / "random", version="random")
+    srv = Server(root / "serve", "--drafter", str(random_path), "--speculation", "auto",
+                 "-o", "serve.policy_interval_s=1", "-o", "serve.policy_explore_share=0.05",
+                 "-o", "serve.policy_min_drafts=8")
+    try:
+        srv.wait_ready()
+        yield srv
+    finally:
+        code = srv.stop()
+        assert code == 0 or code == -15, srv.tail()
+
+
+def complete(server: Server, prompt: list[int]) -> list[int]:
+    import httpx
+
+    model = httpx.get(f"{server.url}/v1/models", timeout=30).json()["data"][0]["id"]
+    reply = httpx.post(f"{server.url}/v1/completions", timeout=300, json={
+        "model": model, "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0.0,
+        "return_token_ids": True})
+    reply.raise_for_status()
+    return list(reply.json()["choices"][0]["token_ids"])
+
+
+def schedule(metrics: dict[str, float]) -> dict[str, float]:
+    prefix = "online_opd_spec_k{batch_size_range="
+    return {k[len(prefix):-1]: v for k, v in metrics.items() if k.startswith(prefix)}
+
+
+def delta(before: dict, after: dict, name: str) -> float:
+    return after.get(name, 0.0) - before.get(name, 0.0)
+
+
+def test_random_drafter_serves_without_speculation(server, rollouts):
+    before = server.metrics()
+    jobs = [i % len(rollouts) for i in range(24)]
+    with ThreadPoolExecutor(6) as pool:
+        outputs = list(pool.map(lambda k: complete(server, rollouts[k][0]), jobs))
+    for k, out in zip(jobs, outputs):
+        assert out == rollouts[k][1], f"prompt {k}: output differs from the target's greedy output"
+    time.sleep(2.5)  # a policy update and a status poll
+    after = server.metrics()
+    tokens = delta(before, after, "vllm:generation_tokens_total")
+    drafts = delta(before, after, "vllm:spec_decode_num_drafts_total")
+    assert tokens >= 24 * MAX_TOKENS
+    assert drafts <= 0.1 * tokens, f"{drafts} drafts for {tokens} tokens: speculation was not off"
+    assert set(schedule(after).values()) == {0.0}, schedule(after)
+    assert after["online_opd_spec_exploration_share"] <= 0.05 + 1e-9
+    assert after["online_opd_spec_steps_total{kind=timed}"] > 0
+    assert "speculation schedule" in server.tail(200_000)  # the change from the start schedule, logged
+
+
+def test_memorising_drafter_turns_speculation_on_at_batch_size_one(server, rollouts, trained_run):
+    reply = server.admin("POST", "/reload", json={"path": str(trained_run / "drafter")})
+    assert reply.status_code == 200, reply.text
+    deadline, k = time.monotonic() + 240, 0
+    while schedule(server.metrics()).get("1-1", 0.0) == 0.0:  # exploration bursts teach the policy
+        assert time.monotonic() < deadline, server.tail()
+        assert complete(server, rollouts[k % len(rollouts)][0]) == rollouts[k % len(rollouts)][1]
+        k += 1
+    before = server.metrics()
+    for j in range(len(rollouts)):
+        assert complete(server, rollouts[j][0]) == rollouts[j][1]
+    after = server.metrics()
+    drafts = delta(before, after, "vllm:spec_decode_num_drafts_total")
+    accepted = delta(before, after, "vllm:spec_decode_num_accepted_tokens_total")
+    tokens = delta(before, after, "vllm:generation_tokens_total")
+    assert drafts >= 0.15 * tokens and accepted > drafts, (drafts, accepted, tokens)
+    assert_drafted_blocks_match_the_torch_drafter(server, trained_run)
+
+
+def assert_drafted_blocks_match_the_torch_drafter(server: Server, trained_run) -> None:
+    """Every block of the memorising drafter's version equals the torch drafter's greedy block."""
+    time.sleep(1.5)  # > capture flush interval
+    records = list(BufferReader(server.buffer).iter_records())
+    drafter = load_drafter(trained_run / "drafter")
+    target = TargetModel.from_pretrained(ensure_embedded_target(progress=False), dtype=torch.float32)
+    drafter.attach_target(target.embed_weight, target.lm_head_weight)
+    total = mismatched = 0
+    lengths = set()
+    for rec in records:
+        blocks = [b for b in rec.blocks if b.drafter_version == "drafter" and b.is_context_pure]
+        if not blocks:
+            continue
+        tokens = torch.tensor(rec.tokens)
+        feats = target.forward(tokens, layer_ids=drafter.target_layer_ids, logits_at=tokens[:0]).aux_hidden
+        seq = TrainSequence(tokens, rec.prompt_len, feats)
+        for block in blocks:
+            width = len(block.draft_tokens)
+            lengths.add(width)
+            mine = propose_all(drafter, seq, torch.tensor([block.anchor]), num_draft_tokens=width)[0].tolist()
+            total += 1
+            mismatched += list(block.draft_tokens) != mine
+    assert total > 50 and len(lengths) > 1, (total, lengths)
+    assert mismatched == 0, f"{mismatched}/{total} blocks differ between vLLM and the torch drafter"

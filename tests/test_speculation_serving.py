@@ -1,0 +1,255 @@
+"""The speculation policy's serving parts without an engine: the engine-core control on
+hand-made scheduler outputs, the runtime schedule swap, the API-server loop against a fake
+engine client, the /metrics series and `online-opd serve --speculation` argv and environment."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+from prometheus_client import CollectorRegistry, generate_latest
+
+from online_opd.config import load_config
+from online_opd.models.drafters.checkpoint import save_drafter
+from online_opd.speculation.acceptance import AcceptanceCounts, estimate_acceptance
+from serve.server import serve_env, vllm_argv
+from tests.tiny import tiny_drafter
+from vllm_patches import SPECULATION_ENV
+from vllm_patches.endpoint import SERVE_ENV, EndpointSettings
+from vllm_patches.metrics import SpeculationCollector, batch_size_bucket
+from vllm_patches.speculation import SpeculationControl, SpeculationSettings, set_speculation
+from vllm_patches.speculation_loop import PolicySettings, SpeculationPolicyLoop, window_rates
+
+
+def step(sizes: dict[str, int], k: int, drafts: dict[str, int] | None = None, new: bool = False):
+    """A SchedulerOutput's fields the control reads: request -> scheduled tokens, K, drafts verified."""
+    spec = {rid: [7] * n for rid, n in (drafts or {}).items()}
+    return SimpleNamespace(num_scheduled_tokens=sizes, num_spec_tokens_to_schedule=k,
+                           scheduled_spec_decode_tokens=spec, scheduled_new_reqs=[object()] if new else [])
+
+
+def output(sampled: dict[str, int]):
+    """A ModelRunnerOutput: request -> number of tokens sampled this step."""
+    ids = list(sampled)
+    return SimpleNamespace(req_id_to_index={r: i for i, r in enumerate(ids)},
+                           sampled_token_ids=[[1] * sampled[r] for r in ids])
+
+
+def run(control: SpeculationControl, out, model_output, start: float, end: float) -> None:
+    control.on_scheduled(out, start)
+    control.on_output(out, model_output, end)
+
+
+def test_control_times_only_steady_decode_steps_and_counts_acceptance():
+    control = SpeculationControl(SpeculationSettings(explore_share=0.0), [0, 2, 2], max_k=2)
+    run(control, step({"a": 9}, 2, new=True), output({"a": 1}), 0.0, 0.5)  # prefill: not timed
+    run(control, step({"a": 1}, 2), output({"a": 1}), 0.5, 0.6)  # drafts K=2, verifies none: not timed
+    run(control, step({"a": 3}, 2, {"a": 2}), output({"a": 3}), 0.6, 0.8)  # steady: 2 accepted
+    run(control, step({"a": 3, "b": 3}, 2, {"a": 2, "b": 2}), output({"a": 1, "b": 2}), 0.8, 1.1)
+    run(control, step({"a": 3, "b": 1}, 0, {"a": 2}), output({"a": 2, "b": 1}), 1.1, 1.2)  # K 2 -> 0
+    rows = {(r[0], r[1]): r[2:] for r in control.costs.to_rows()}
+    assert rows.keys() == {(1, 2), (2, 2)}
+    assert rows[(1, 2)] == pytest.approx([0.2, 1, 0.2, 3])
+    assert rows[(2, 2)] == pytest.approx([0.3, 1, 0.3, 3])
+    # blocks (drafted, accepted): (2, 2), (2, 0), (2, 1), (2, 1)
+    assert control.acceptance.num_reaching == [4, 4]
+    assert control.acceptance.num_accepted == [3, 1]
+    assert (control.counters["steps"], control.counters["timed_steps"]) == (5, 2)
+
+
+def test_control_step_time_starts_at_the_previous_step_end_when_steps_overlap():
+    control = SpeculationControl(SpeculationSettings(explore_share=0.0), [0, 0], max_k=1)
+    first, second = step({"a": 1}, 0), step({"a": 1}, 0)
+    control.on_scheduled(first, 0.0)
+    control.on_scheduled(second, 0.1)  # async scheduling: scheduled while the first runs
+    control.on_output(first, output({"a": 1}), 0.3)
+    control.on_output(second, output({"a": 1}), 0.5)
+    assert control.costs.to_rows() == [[1, 0, pytest.approx(0.25), 2, pytest.approx(0.5), 2]]
+
+
+def test_exploration_share_and_k_cycle():
+    control = SpeculationControl(SpeculationSettings(explore_share=0.1, explore_steps=3), [0, 0, 0], max_k=3)
+    ks = []
+    for i in range(200):
+        lookup = control.lookup_for_step()
+        ks.append(lookup[1])
+        assert lookup[0] == 0 and len(set(lookup[1:])) == 1
+        control.on_scheduled(step({"a": 1}, lookup[1]), float(i))
+        assert control.counters["explored_steps"] <= 0.1 * control.counters["steps"] + 1e-9 or ks[-1] > 0
+    # due when explored + 3 <= 0.1 (steps + 3): bursts start after 27, 57, 87, ... steps
+    bursts = [i for i in range(1, 200) if ks[i] and not ks[i - 1]]
+    assert bursts == [27, 57, 87, 117, 147, 177]
+    assert [ks[i] for i in bursts] == [3, 1, 2, 3, 1, 2]
+    assert control.counters["explored_steps"] == 18 and control.lookup_for_step() == [0, 0, 0]
+    assert SpeculationControl(SpeculationSettings(explore_share=0.0), [0, 0], 2).lookup_for_step() == [0, 0]
+
+
+def fake_engine_core(lookup: list[int], max_k: int = 4):
+    scheduler = SimpleNamespace(dynamic_sd_lookup=lookup, num_spec_tokens=max_k,
+                                scheduler_config=SimpleNamespace(max_num_seqs=len(lookup) - 1))
+    return SimpleNamespace(scheduler=scheduler)
+
+
+def test_set_speculation_swaps_the_lookup_and_refuses_bad_schedules():
+    core = fake_engine_core([0, 0, 0, 0, 0])
+    before = core.scheduler.dynamic_sd_lookup
+    result = set_speculation(core, [[1, 1, 4], [2, 4, 0]])
+    assert result == {"ok": True, "lookup": [0, 4, 0, 0, 0]}
+    assert core.scheduler.dynamic_sd_lookup == [0, 4, 0, 0, 0] and before == [0, 0, 0, 0, 0]
+    assert set_speculation(core, [[1, 2, 9]])["lookup"] == [0, 4, 4, 4, 4]  # clamped to K_max, tail carried
+    refused = set_speculation(core, [[2, 4, 1]])
+    assert not refused["ok"] and "start at 1" in refused["error"]
+    assert core.scheduler.dynamic_sd_lookup == [0, 4, 4, 4, 4]
+    plain = SimpleNamespace(scheduler=SimpleNamespace(dynamic_sd_lookup=None, num_spec_tokens=0))
+    assert set_speculation(plain, [[1, 1, 0]])["error"].startswith("this engine has no dynamic speculation")
+    assert plain.scheduler._online_opd_speculation.lookup_for_step() is None  # timed only
+
+
+def test_set_speculation_during_exploration_takes_effect_after_the_burst():
+    core = fake_engine_core([0, 0, 0])
+    set_speculation(core, [[1, 2, 0]])
+    control = core.scheduler._online_opd_speculation
+    control.settings = SpeculationSettings(explore_share=0.5, explore_steps=2)
+    for i in range(2):  # due once explored + 2 <= 0.5 (steps + 2)
+        assert control.lookup_for_step() == [0, 0, 0]
+        control.on_scheduled(step({"a": 1}, 0), float(i))
+    assert control.lookup_for_step() == [0, 4, 4]
+    core.scheduler.dynamic_sd_lookup = control.lookup_for_step()
+    set_speculation(core, [[1, 1, 2], [2, 2, 0]])
+    assert core.scheduler.dynamic_sd_lookup == [0, 4, 4]  # the burst keeps its K
+    control.on_scheduled(step({"a": 1}, 4), 0.0)
+    control.on_scheduled(step({"a": 1}, 4), 1.0)
+    assert control.lookup_for_step() == [0, 2, 0]
+
+
+class FakeEngineClient:
+    """The engine client's utility call, answered by a real SpeculationControl in a fake engine core."""
+
+    def __init__(self, core):
+        self.core = core
+        self.calls: list[tuple] = []
+        self.engine_core = self
+
+    async def call_utility_async(self, method: str, *args):
+        from vllm_patches.speculation import speculation_status
+
+        self.calls.append((method, *args))
+        return set_speculation(self.core, *args) if method == "online_opd_set_speculation" \
+            else speculation_status(self.core)
+
+
+def feed(control: SpeculationControl, b: int, k: int, seconds: float, num: int, accepted: int = 0) -> None:
+    for i in range(num):
+        sizes = {f"r{j}": 1 + k for j in range(b)}
+        out = step(sizes, k, {r: k for r in sizes} if k else None)
+        start = control._last_end + 1.0  # idle between steps: each step's own time is timed
+        run(control, out, output({r: 1 + accepted for r in sizes}), start, start + seconds)
+
+
+def test_policy_loop_turns_speculation_off_where_it_does_not_pay_and_on_where_it_does():
+    core = fake_engine_core([0, 4, 4, 4, 4])
+    set_speculation(core, [[1, 4, 4]])
+    control = core.scheduler._online_opd_speculation
+    control.settings = SpeculationSettings(explore_share=0.0)
+    # t(b, K) = 0.1 + 0.02 b + 0.015 b K measured at b = 1, 4 and K = 0, 4; the fresh drafter accepts nothing
+    for b in (1, 4):
+        feed(control, b, 0, 0.1 + 0.02 * b, 10)
+        feed(control, b, 4, 0.1 + 0.02 * b + 0.06 * b, 10)
+    client = FakeEngineClient(core)
+    loop = SpeculationPolicyLoop(client, PolicySettings(min_drafts=8), lambda: ("v0001", None))
+    state = asyncio.run(loop.update())
+    assert client.calls[-1] == ("online_opd_set_speculation", [[1, 4, 0]])
+    assert core.scheduler.dynamic_sd_lookup == [0, 0, 0, 0, 0]
+    assert state["acceptance_used"] == [0.0] * 4 and state["acceptance_source"].startswith("live")
+    # a new version that accepts every draft: tau(4) = 5 > t(b, 4) / t(b, 0) = 1.5 (b=1), 2.33 (b=4)
+    loop.serving = lambda: ("v0002", None)
+    asyncio.run(loop.update())
+    feed(control, 1, 4, 0.18, 10, accepted=4)
+    state = asyncio.run(loop.update())
+    assert state["schedule"] == [(1, 4, 4)] and core.scheduler.dynamic_sd_lookup == [0, 4, 4, 4, 4]
+    assert state["acceptance_used"] == [1.0] * 4 and loop.num_changes == 2
+    # measured vs predicted over the last window's steps (b=1, K=4: 5 tokens in 0.18 s each)
+    assert state["measured_tokens_per_s"] == pytest.approx(5 / 0.18)
+    assert state["predicted_tokens_per_s"] == pytest.approx(5 / 0.18)
+
+
+def test_estimate_acceptance_sources():
+    live = AcceptanceCounts()
+    for _ in range(10):
+        live.observe(4, 1)
+    a, source = estimate_acceptance(live, {}, max_k=4, min_drafts=8)
+    assert a == [1.0, 0.0, 0.0, 0.0] and source.startswith("live")
+    few = AcceptanceCounts([4, 4], [2, 1])
+    a, source = estimate_acceptance(few, {"metrics": {"gate": {"tau_candidate": 1.75}}}, max_k=2, min_drafts=8)
+    assert a == pytest.approx([0.5, 0.25]) and "gate" in source  # 1 + a + a^2 = 1.75 at a = 0.5
+    a, _ = estimate_acceptance(few, {"metrics": {"live_check": {"tau": 1.0}, "gate": {"tau_candidate": 2}}},
+                               max_k=2, min_drafts=8)
+    assert a == [0.0, 0.0]  # the served figure wins over the simulated one
+    partial = AcceptanceCounts([20, 4], [10, 4])  # position 1 known (0.5), position 2 not: 0.5 * 0.5
+    assert estimate_acceptance(partial, {}, max_k=3, min_drafts=8)[0] == pytest.approx([0.5, 0.25, 0.125])
+    assert estimate_acceptance(AcceptanceCounts(), {}, max_k=2, min_drafts=8)[0] == [0.0, 0.0]
+
+
+def test_window_rates_compare_measured_and_predicted_over_the_same_steps():
+    from online_opd.speculation.costs import CostModel, StepCosts
+
+    before = [[1, 0, 0.1, 10, 1.0, 10]]
+    after = [[1, 0, 0.1, 30, 3.0, 30], [2, 0, 0.2, 10, 2.0, 20]]
+    model = CostModel(StepCosts.from_rows([[1, 0, 0.1, 30, 3, 30], [2, 0, 0.25, 10, 2, 20]]))
+    measured, predicted = window_rates(before, after, model, [0.0])
+    assert measured == pytest.approx((20 + 20) / (2.0 + 2.0))
+    assert predicted == pytest.approx((20 * 1 + 10 * 2) / (20 * 0.1 + 10 * 0.25))
+    assert window_rates(after, after, model, [0.0]) == (None, None)
+
+
+def test_speculation_series():
+    registry = CollectorRegistry()
+    state = {"schedule": [(1, 1, 4), (2, 32, 0)], "steps": 200, "explored_steps": 4, "timed_steps": 150,
+             "costs": [[1, 0, 0.1, 10, 1, 10], [2, 0, 0.2, 10, 2, 20], [3, 0, 0.4, 30, 12, 90]],
+             "measured_tokens_per_s": 9.5, "predicted_tokens_per_s": 10.0, "acceptance_used": [0.5, 0.25],
+             "num_changes": 3}
+    registry.register(SpeculationCollector(lambda: state))
+    text = generate_latest(registry).decode()
+    assert 'online_opd_spec_k{batch_size_range="1-1"} 4.0' in text
+    assert 'online_opd_spec_k{batch_size_range="2-32"} 0.0' in text
+    assert 'online_opd_spec_step_seconds{batch_size="2-3",k="0"} 0.35' in text  # (0.2 x 10 + 0.4 x 30) / 40
+    assert 'online_opd_spec_exploration_share 0.02' in text
+    assert 'online_opd_spec_steps_total{kind="explored"} 4.0' in text
+    assert 'online_opd_policy_measured_tokens_per_second 9.5' in text
+    assert 'online_opd_policy_acceptance{position="2"} 0.25' in text
+    assert [batch_size_bucket(b) for b in (1, 2, 3, 4, 31, 32)] == ["1", "2-3", "2-3", "4-7", "16-31", "32-63"]
+
+
+def spec_of(argv: list[str]) -> dict | None:
+    return json.loads(argv[argv.index("--speculative-config") + 1]) if "--speculative-config" in argv else None
+
+
+def test_serve_argv_and_env_per_speculation_mode(tmp_path):
+    fresh = save_drafter(tiny_drafter(block_size=4), tmp_path / "fresh", version="v0001")
+    good = save_drafter(tiny_drafter(block_size=4), tmp_path / "good", version="v0002",
+                        metrics={"gate": {"tau_candidate": 3.0}})
+    target = Path("/models/t")
+
+    def argv(drafter: Path, *overrides: str) -> list[str]:
+        return vllm_argv(load_config(None, list(overrides)), target, drafter, [])
+
+    assert spec_of(argv(fresh))["num_speculative_tokens_per_batch_size"] == [[1, 2, 0]]
+    # gate tau 3.0 at K=4: alpha = 0.741, tau(K) / (1 + 0.125 K) = 1, 1.55, 1.83, 1.96, 2.0 at b = 1
+    assert spec_of(argv(good))["num_speculative_tokens_per_batch_size"] == [[1, 1, 4], [2, 2, 0]]
+    assert "num_speculative_tokens_per_batch_size" not in spec_of(argv(good, "serve.speculation=always"))
+    never = argv(good, "serve.speculation=never")
+    assert spec_of(never) is None and "vllm_patches.worker_ext.OnlineOPDWorkerExtension" in never
+
+    def env(*overrides: str) -> dict[str, str]:
+        return serve_env(load_config(None, ["serve.policy_interval_s=2", "serve.policy_explore_share=0.01",
+                                            *overrides]), target, fresh, capture=False)
+
+    auto = env()
+    assert json.loads(auto[SPECULATION_ENV]) == {"explore_share": 0.01, "explore_steps": 3, "cost_alpha": 0.05}
+    assert EndpointSettings.model_validate_json(auto[SERVE_ENV]).policy.interval_s == 2.0
+    for mode in ("always", "never"):
+        other = env(f"serve.speculation={mode}")
+        assert SPECULATION_ENV not in other and EndpointSettings.model_validate_json(other[SERVE_ENV]).policy is None

@@ -1,0 +1,102 @@
+"""Corrections to vLLM's CPU stand-ins for Triton kernels, applied in every vLLM process.
+
+vLLM 0.32's CPU override of the rejection sampler's ``expand_kernel``
+(``vllm.utils.cpu_triton_utils._expand_kernel_impl``) passes
+``_ensure_int64(output)`` to the C++ op: for an output that is not int64 that
+is a fresh copy, so the real output keeps the uninitialised memory of
+``new_empty``, and a float input is truncated to integers on the way in.
+``apply_sampling_constraints`` expands the per-request temperatures (float32)
+and top-k (int32) with it whenever a batch is not all-greedy, so greedy rows
+stop being greedy and sampled rows use a wrong distribution.
+
+``apply`` swaps in ``expand_kernel_impl`` (plain torch, every dtype). It runs
+before the platform registers its overrides (``register`` is a general
+plugin; ``WorkerBase.init_worker`` loads plugins first), and re-registers the
+kernel if that already happened. Here lives only the kernel fix and its gate;
+the version range is checked by ``vllm_patches.check_vllm_version``.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+import torch
+
+logger = logging.getLogger("online_opd.cpu_fixes")
+
+#: Inclusive lower bound, exclusive upper bound of the vLLM versions with the defect.
+AFFECTED_VLLM = ("0.32.0", "0.33.0")
+#: Set to 1 to leave vLLM's CPU kernels as they are (to reproduce the defect).
+DISABLE_ENV = "ONLINE_OPD_DISABLE_CPU_FIXES"
+EXPAND_KERNEL = "vllm.v1.sample.rejection_sampler.expand_kernel"
+
+
+def expand_kernel_impl(
+    output: torch.Tensor,  # [num_tokens]
+    input_val: torch.Tensor,  # [batch_size]
+    cu_num_tokens: torch.Tensor,  # [batch_size]
+    replace_from: int | float,
+    replace_to: int | float,
+    MAX_NUM_TOKENS: int | None = None,  # noqa: N803 (the Triton kernel's name)
+) -> None:
+    """``expand_kernel`` on CPU: output[cu[r-1]:cu[r]] = input[r], for any dtype.
+
+    As in the Triton kernel: cu[-1] is taken as 0; input[r] == replace_from is
+    written as replace_to; at most MAX_NUM_TOKENS positions per request are
+    written and positions past cu[batch_size-1] are left as they are.
+    """
+    if input_val.numel() == 0:
+        return
+    ends = cu_num_tokens.to(torch.int64)
+    starts = torch.cat([ends.new_zeros(1), ends[:-1]])
+    num_written = ends - starts
+    if MAX_NUM_TOKENS is not None:
+        num_written = num_written.clamp(max=MAX_NUM_TOKENS)
+    values = torch.where(input_val == replace_from, replace_to, input_val).to(output.dtype)
+    request_of_token = torch.repeat_interleave(
+        torch.arange(input_val.numel(), device=output.device), num_written)
+    # position of token t = start of its request + its rank within the request
+    first_written = torch.cumsum(num_written, 0) - num_written
+    rank_in_request = torch.arange(request_of_token.numel(), device=output.device) \
+        - first_written[request_of_token]
+    output[starts[request_of_token] + rank_in_request] = values[request_of_token]
+
+
+def is_cpu_fix_needed() -> bool:
+    """True on vLLM's CPU platform within AFFECTED_VLLM, unless DISABLE_ENV is set."""
+    from vllm_patches import UnsupportedVLLMVersion, check_vllm_version
+
+    if os.environ.get(DISABLE_ENV, "") not in ("", "0"):
+        return False
+    try:
+        check_vllm_version(bounds=AFFECTED_VLLM)
+    except UnsupportedVLLMVersion:
+        return False
+    from vllm.platforms import current_platform
+
+    return current_platform.is_cpu()
+
+
+def apply() -> bool:
+    """Install expand_kernel_impl where vLLM's CPU platform takes it from; True if installed now.
+
+    Idempotent. Covers both orders: the platform reads
+    ``cpu_triton_utils._expand_kernel_impl`` when it registers its overrides,
+    and a kernel already overridden with the broken one is registered again.
+    """
+    if not is_cpu_fix_needed():
+        return False
+    from vllm.triton_utils import dispatcher
+    from vllm.utils import cpu_triton_utils
+
+    if cpu_triton_utils._expand_kernel_impl is expand_kernel_impl:
+        return False
+    broken = cpu_triton_utils._expand_kernel_impl
+    cpu_triton_utils._expand_kernel_impl = expand_kernel_impl
+    registered = dispatcher._registry.get(EXPAND_KERNEL)
+    if registered is not None and registered[1] is broken:
+        dispatcher.register_kernels({EXPAND_KERNEL: expand_kernel_impl})
+    logger.info("online-opd: vLLM's CPU expand_kernel replaced (lossless speculative "
+                "decoding in mixed greedy/sampled batches; %s=1 disables)", DISABLE_ENV)
+    return True

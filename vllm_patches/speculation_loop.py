@@ -1,0 +1,161 @@
+"""The speculation policy loop in vLLM's API server (started by endpoint.OnlineOPDService).
+
+Every ``interval_s`` seconds, and right after each drafter reload (``wake``), it:
+
+1. reads the engine core's speculation status (vllm_patches/speculation.py: step
+   costs by (b, K), acceptance counts, the schedule serving, exploration);
+2. estimates the serving drafter's per-position acceptance a_k from the blocks
+   verified since that version started serving, else its manifest
+   (online_opd/speculation/acceptance.py ``estimate_acceptance``);
+3. decides the schedule (online_opd/speculation/policy.py) and, when it differs
+   from the one serving, applies it through the engine core's
+   ``online_opd_set_speculation`` and logs the change with the figures behind it;
+4. compares, over the steady steps of the last interval, the measured output
+   tokens per second with the cost model's prediction for the same steps.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Any, Callable
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from online_opd.speculation.acceptance import AcceptanceCounts, estimate_acceptance
+from online_opd.speculation.costs import CostModel, StepCosts
+from online_opd.speculation.policy import break_even_taus, compress, decide, expected_tokens
+from vllm_patches.speculation import SET_METHOD, STATUS_METHOD
+
+logger = logging.getLogger("online_opd.speculation")
+
+
+class PolicySettings(BaseModel):
+    """API-server side of ``serve.speculation: auto`` (from ``serve.policy_*`` in the config)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    interval_s: float = Field(10.0, gt=0)
+    margin: float = Field(0.05, ge=0)
+    min_drafts: int = Field(32, ge=1)
+    min_steps: int = Field(8, ge=1)
+
+
+def window_rates(before: list[list[float]] | None, after: list[list[float]], model: CostModel,
+                 acceptance: list[float]) -> tuple[float | None, float | None]:
+    """(measured, predicted) output tokens/s over the steady steps between two status polls."""
+    old = {(int(r[0]), int(r[1])): r for r in before or []}
+    tokens = seconds = predicted_tokens = predicted_seconds = 0.0
+    for row in after:
+        b, k = int(row[0]), int(row[1])
+        prev = old.get((b, k), [b, k, 0.0, 0, 0.0, 0])
+        steps = row[3] - prev[3]
+        if steps <= 0:
+            continue
+        seconds += row[4] - prev[4]
+        tokens += row[5] - prev[5]
+        t = model.seconds(b, k)
+        if t is not None:
+            predicted_tokens += steps * b * expected_tokens(acceptance, k)
+            predicted_seconds += steps * t
+    measured = tokens / seconds if seconds > 0 else None
+    predicted = predicted_tokens / predicted_seconds if predicted_seconds > 0 else None
+    return measured, predicted
+
+
+class SpeculationPolicyLoop:
+    """Owns the policy task; ``latest`` holds the figures /metrics exposes."""
+
+    def __init__(self, engine_client: Any, settings: PolicySettings,
+                 serving: Callable[[], tuple[str | None, str | None]]):
+        self.engine = engine_client
+        self.settings = settings
+        self.serving = serving  # () -> (drafter version, checkpoint path) serving now
+        self.latest: dict | None = None
+        self.num_changes = 0
+        self._wake = asyncio.Event()
+        self._version: str | None = None
+        self._version_start = AcceptanceCounts()
+        self._last_costs: list[list[float]] | None = None
+
+    def wake(self) -> None:
+        """Recompute now (after a reload)."""
+        self._wake.set()
+
+    async def run_forever(self) -> None:
+        while True:
+            try:
+                await self.update()
+            except asyncio.CancelledError:
+                raise
+            except Exception:
+                logger.exception("speculation policy update failed (the schedule serving stays)")
+            try:
+                await asyncio.wait_for(self._wake.wait(), self.settings.interval_s)
+            except asyncio.TimeoutError:
+                pass
+            self._wake.clear()
+
+    async def update(self) -> dict | None:
+        status = await self.engine.engine_core.call_utility_async(STATUS_METHOD)
+        if not status or not status["lookup"]:
+            return None  # no engine-core control, or an engine without a dynamic schedule
+        version, path = self.serving()
+        counts = AcceptanceCounts.from_dict(status["acceptance"])
+        if version != self._version:  # a reload: count the new version's blocks from here
+            if self._version is not None:
+                self._version_start = counts
+            self._version = version
+        acceptance, source = estimate_acceptance(counts - self._version_start, await _manifest(path),
+                                                 max_k=status["max_k"], min_drafts=self.settings.min_drafts)
+        model = CostModel(StepCosts.from_rows(status["costs"]), min_steps=self.settings.min_steps)
+        decision = decide(model, acceptance, max_k=status["max_k"], max_batch_size=status["max_batch_size"],
+                          current=status["lookup"], margin=self.settings.margin)
+        if decision.lookup != status["lookup"]:
+            result = await self.engine.engine_core.call_utility_async(
+                SET_METHOD, [list(r) for r in decision.schedule])
+            if result.get("ok"):
+                self.num_changes += 1
+                self._log_change(status, decision, model, acceptance, source)
+            else:
+                logger.error("speculation schedule not applied: %s", result.get("error"))
+        measured, predicted = window_rates(self._last_costs, status["costs"], model, acceptance)
+        self._last_costs = status["costs"]
+        self.latest = {**status, "schedule": decision.schedule, "acceptance_used": acceptance,
+                       "acceptance_source": source, "measured_tokens_per_s": measured,
+                       "predicted_tokens_per_s": predicted, "num_changes": self.num_changes,
+                       "cost_model": model.describe(), "version": version}
+        return self.latest
+
+    def _log_change(self, status: dict, decision, model: CostModel, acceptance: list[float],
+                    source: str) -> None:
+        figures = []
+        for first, last, k in decision.schedule:
+            plain = model.seconds(first, 0)
+            even = break_even_taus(model, first, status["max_k"])
+            figures.append(f"b {first}-{last}: K={k} (at b={first}: t(b,0)={_ms(plain)}, "
+                           f"t(b,K)={_ms(model.seconds(first, k))}, tau(K)={expected_tokens(acceptance, k):.3f}, "
+                           f"break-even tau(K=1..{status['max_k']})={_taus(even)})")
+        logger.info("speculation schedule %s -> %s%s; acceptance a_k=%s from %s; %s",
+                    compress(status["lookup"]), decision.schedule,
+                    " (conservative: no step with K > 0 measured yet)" if decision.is_conservative else "",
+                    [round(a, 3) for a in acceptance], source, "; ".join(figures))
+
+
+def _ms(seconds: float | None) -> str:
+    return "?" if seconds is None else f"{1e3 * seconds:.1f}ms"
+
+
+def _taus(taus: list[float | None]) -> str:
+    return "[" + ", ".join("?" if t is None else f"{t:.2f}" for t in taus) + "]"
+
+
+async def _manifest(path: str | None) -> dict:
+    if not path:
+        return {}
+    from online_opd.models.drafters.checkpoint import read_manifest
+
+    try:
+        return await asyncio.to_thread(read_manifest, path)
+    except (OSError, ValueError):
+        return {}
