@@ -300,7 +300,8 @@ def test_a_repeating_failure_is_logged_once_per_occurrence_and_counted_each_time
                 time.sleep(0.02)
         stop.set()
         thread.join(30)
-    logged = [r for r in caplog.records if r.levelno >= logging.ERROR and "failed at step" in r.getMessage()]
+    # the gate, when it happens to run against the torn CURRENT, fails (and is logged) on its own account
+    logged = [r for r in caplog.records if r.levelno >= logging.ERROR and "step failed at step" in r.getMessage()]
     assert trainer.stats()["errors"] >= 11 and len(logged) == 3, [r.getMessage() for r in logged]
     assert all(r.exc_info and "sha256" in str(r.exc_info[1]) for r in logged)
 
