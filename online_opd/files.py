@@ -20,10 +20,13 @@ and ``os.replace`` of folders are not portable to object stores.
 from __future__ import annotations
 
 import contextlib
+import ctypes
+import errno
 import hashlib
 import json
 import os
 import shutil
+import sys
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -111,8 +114,10 @@ def atomic_write_json(path: str | os.PathLike, obj: Any, *, sort_keys: bool = Fa
 def atomic_folder(path: str | os.PathLike) -> Iterator[Path]:
     """Yield an empty temporary sibling folder to fill; on a clean exit publish it as ``path``.
 
-    Publishing fsyncs every file in it and the folder, moves an existing
-    ``path`` aside, replaces, fsyncs the parent, then deletes the old copy.
+    Publishing fsyncs every file in it and the folder, swaps it with an
+    existing ``path`` in one step where the system can (``exchange_paths``;
+    elsewhere it moves the old one aside, then replaces), fsyncs the parent,
+    then deletes the old copy.
     An exception inside the block deletes the temporary folder and leaves
     ``path`` as it was.
     """
@@ -132,8 +137,12 @@ def _publish_folder(tmp: Path, path: Path) -> None:
     for item in sorted(tmp.rglob("*"), reverse=True):  # files before the folders holding them
         fsync_path(item)
     fsync_path(tmp)
+    if path.exists() and exchange_paths(tmp, path):
+        fsync_path(path.parent)
+        shutil.rmtree(tmp, ignore_errors=True)  # tmp now holds the old folder
+        return
     old = None
-    if path.exists():
+    if path.exists():  # no atomic exchange here: a moment with no folder at ``path``
         old = temp_sibling(path, OLD_SUFFIX)
         os.replace(path, old)
     try:
@@ -145,6 +154,31 @@ def _publish_folder(tmp: Path, path: Path) -> None:
     fsync_path(path.parent)
     if old is not None:
         shutil.rmtree(old, ignore_errors=True)
+
+
+_RENAME_EXCHANGE = 2  # linux/fs.h
+
+
+def exchange_paths(a: Path, b: Path) -> bool:
+    """Swap two existing paths in one atomic step (Linux ``renameat2(RENAME_EXCHANGE)``).
+
+    Returns False, changing nothing, where the platform or the file system
+    cannot (other systems, old kernels, some network file systems).
+    """
+    if not sys.platform.startswith("linux"):
+        return False
+    libc = ctypes.CDLL(None, use_errno=True)
+    renameat2 = getattr(libc, "renameat2", None)
+    if renameat2 is None:
+        return False
+    at_fdcwd = -100
+    result = renameat2(at_fdcwd, os.fsencode(a), at_fdcwd, os.fsencode(b), _RENAME_EXCHANGE)
+    if result == 0:
+        return True
+    err = ctypes.get_errno()
+    if err in (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP):
+        return False
+    raise OSError(err, os.strerror(err), str(a), None, str(b))
 
 
 def _remove_quietly(path: Path) -> None:

@@ -82,3 +82,40 @@ def test_atomic_folder_failure_keeps_the_old_folder(tmp_path):
             raise RuntimeError("disk full")
     assert (target / "weights").read_bytes() == b"good"
     assert os.listdir(tmp_path) == ["drafter"]
+
+
+def test_exchange_paths_swaps_two_folders_in_one_step(tmp_path):
+    a, b = tmp_path / "a", tmp_path / "b"
+    a.mkdir(), b.mkdir()
+    (a / "which").write_text("a")
+    (b / "which").write_text("b")
+    assert files.exchange_paths(a, b)  # Linux with renameat2, as on every machine this project runs on
+    assert (a / "which").read_text() == "b" and (b / "which").read_text() == "a"
+    with pytest.raises(FileNotFoundError):
+        files.exchange_paths(a, tmp_path / "missing")
+
+
+def test_replacing_a_folder_never_leaves_the_name_empty(tmp_path, monkeypatch):
+    target = tmp_path / "drafter"
+    with atomic_folder(target) as tmp:
+        (tmp / "weights").write_bytes(b"v1")
+    real_replace = os.replace
+
+    def replace(src, dst):  # any rename of the published folder itself would open a gap
+        assert os.fspath(dst) != os.fspath(target) and os.fspath(src) != os.fspath(target)
+        real_replace(src, dst)
+
+    monkeypatch.setattr(files.os, "replace", replace)
+    with atomic_folder(target) as tmp:
+        (tmp / "weights").write_bytes(b"v2")
+    assert (target / "weights").read_bytes() == b"v2" and os.listdir(tmp_path) == ["drafter"]
+
+
+def test_folder_publish_falls_back_where_no_exchange_exists(tmp_path, monkeypatch):
+    target = tmp_path / "drafter"
+    with atomic_folder(target) as tmp:
+        (tmp / "weights").write_bytes(b"v1")
+    monkeypatch.setattr(files, "exchange_paths", lambda a, b: False)
+    with atomic_folder(target) as tmp:
+        (tmp / "weights").write_bytes(b"v2")
+    assert (target / "weights").read_bytes() == b"v2" and os.listdir(tmp_path) == ["drafter"]
