@@ -209,7 +209,7 @@ class ServeConfig(_Strict):
         32, ge=1, description="speculation auto: live blocks reaching a draft position before its measured "
                               "acceptance is used (else the manifest's tau, else assumed not to pay).")
     policy_explore_share: float = Field(
-        0.02, ge=0, le=0.5, description="speculation auto: share of engine steps run at K > 0 whatever the "
+        0.01, ge=0, le=0.5, description="speculation auto: share of engine steps run at K > 0 whatever the "
                                         "schedule, so the cost and acceptance of speculating stay measured.")
     policy_explore_steps: int = Field(
         3, ge=2, description="speculation auto: steps per exploration burst (the first drafts only, the "

@@ -73,6 +73,15 @@ def schedule(metrics: dict[str, float]) -> dict[str, float]:
     return {k[len(prefix):-1]: v for k, v in metrics.items() if k.startswith(prefix)}
 
 
+def k_at(metrics: dict[str, float], batch_size: int) -> float:
+    """The schedule's K for one batch size, from its range gauges."""
+    for label, k in schedule(metrics).items():
+        first, last = map(int, label.split("-"))
+        if first <= batch_size <= last:
+            return k
+    raise AssertionError(f"no schedule range covers batch size {batch_size}: {schedule(metrics)}")
+
+
 def delta(before: dict, after: dict, name: str) -> float:
     return after.get(name, 0.0) - before.get(name, 0.0)
 
@@ -88,19 +97,19 @@ def test_random_drafter_serves_without_speculation(server, rollouts):
     after = server.metrics()
     tokens = delta(before, after, "vllm:generation_tokens_total")
     drafts = delta(before, after, "vllm:spec_decode_num_drafts_total")
-    assert tokens >= 24 * MAX_TOKENS
+    assert tokens >= sum(len(out) for out in outputs)
     assert drafts <= 0.1 * tokens, f"{drafts} drafts for {tokens} tokens: speculation was not off"
     assert set(schedule(after).values()) == {0.0}, schedule(after)
     assert after["online_opd_spec_exploration_share"] <= 0.05 + 1e-9
     assert after["online_opd_spec_steps_total{kind=timed}"] > 0
-    assert "speculation schedule" in server.tail(200_000)  # the change from the start schedule, logged
+    assert "speculation auto: starting schedule [(1, 2, 0)]" in server.tail(1_000_000)
 
 
 def test_memorising_drafter_turns_speculation_on_at_batch_size_one(server, rollouts, trained_run):
     reply = server.admin("POST", "/reload", json={"path": str(trained_run / "drafter")})
     assert reply.status_code == 200, reply.text
     deadline, k = time.monotonic() + 240, 0
-    while schedule(server.metrics()).get("1-1", 0.0) == 0.0:  # exploration bursts teach the policy
+    while k_at(server.metrics(), 1) == 0.0:  # exploration bursts teach the policy
         assert time.monotonic() < deadline, server.tail()
         assert complete(server, rollouts[k % len(rollouts)][0]) == rollouts[k % len(rollouts)][1]
         k += 1
@@ -112,6 +121,7 @@ def test_memorising_drafter_turns_speculation_on_at_batch_size_one(server, rollo
     accepted = delta(before, after, "vllm:spec_decode_num_accepted_tokens_total")
     tokens = delta(before, after, "vllm:generation_tokens_total")
     assert drafts >= 0.15 * tokens and accepted > drafts, (drafts, accepted, tokens)
+    assert "speculation schedule [(1, 8, 0)] -> [(1, " in server.tail(1_000_000)  # the change, logged
     assert_drafted_blocks_match_the_torch_drafter(server, trained_run)
 
 

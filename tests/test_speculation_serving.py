@@ -10,6 +10,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
+import torch
 from prometheus_client import CollectorRegistry, generate_latest
 
 from online_opd.config import load_config
@@ -253,3 +254,53 @@ def test_serve_argv_and_env_per_speculation_mode(tmp_path):
     for mode in ("always", "never"):
         other = env(f"serve.speculation={mode}")
         assert SPECULATION_ENV not in other and EndpointSettings.model_validate_json(other[SERVE_ENV]).policy is None
+
+
+# -- K = 0 DFlash steps: context K/V only ---------------------------------------------------------
+def test_context_slots_by_hand():
+    from vllm_patches.dflash_context import context_slots
+
+    positions = torch.tensor([5, 6, 7, 3, 9])
+    query_start_loc = torch.tensor([0, 3, 5])
+    block_table = torch.tensor([[10, 11], [20, 21]])
+    # request 0: blocks 1 -> 11 * 4 + (1, 2, 3); request 1: block 0 -> 20 * 4 + 3, block 2 clamped to 1 -> 21 * 4 + 1
+    assert context_slots(positions, query_start_loc, block_table, 4).tolist() == [45, 46, 47, 83, 85]
+
+
+def test_context_slots_equal_vllms_dflash_input_kernel():
+    from vllm.utils.cpu_triton_utils import _copy_and_expand_dflash_inputs_kernel_impl as kernel
+
+    from vllm_patches.dflash_context import context_slots
+
+    gen = torch.Generator().manual_seed(0)
+    for num_reqs, block_size, k in [(1, 16, 0), (3, 4, 0), (5, 8, 2)]:
+        counts = torch.randint(1, 6, (num_reqs,), generator=gen)
+        query_start_loc = torch.cat([torch.zeros(1, dtype=torch.int64), counts.cumsum(0)]).to(torch.int32)
+        starts = torch.randint(0, 40, (num_reqs,), generator=gen)
+        positions = torch.cat([torch.arange(s, s + c) for s, c in zip(starts.tolist(), counts.tolist())])
+        block_table = torch.randperm(200, generator=gen)[: num_reqs * 8].view(num_reqs, 8).to(torch.int32)
+        n = int(counts.sum())
+        ctx_pos, ctx_slot = torch.zeros(n, dtype=torch.int64), torch.zeros(n, dtype=torch.int64)
+        kernel(torch.zeros(num_reqs, dtype=torch.int64), positions, torch.zeros(num_reqs * (1 + k), dtype=torch.int64),
+               ctx_pos, torch.zeros(num_reqs * (1 + k), dtype=torch.int64), ctx_slot,
+               torch.zeros(num_reqs * (1 + k), dtype=torch.int64), torch.zeros(num_reqs * max(k, 1), dtype=torch.int32),
+               block_table, block_table.stride(0), query_start_loc, 0, 7, block_size, 1 + k, k, n)
+        assert ctx_pos.tolist() == positions.tolist()
+        assert context_slots(positions, query_start_loc, block_table, block_size).tolist() == ctx_slot.tolist()
+
+
+def test_store_context_only_feeds_the_context_kv_pass():
+    from vllm_patches.dflash_context import store_context_only
+
+    calls = []
+    model = SimpleNamespace(combine_hidden_states=lambda h: h * 2,
+                            precompute_and_store_context_kv=lambda *a: calls.append(a))
+    proposer = SimpleNamespace(model=model, block_size=4)
+    cad = SimpleNamespace(query_start_loc=torch.tensor([0, 2, 3]), query_start_loc_cpu=torch.tensor([0, 2, 3]),
+                          block_table_tensor=torch.tensor([[1, 2], [3, 4]]), batch_size=lambda: 2)
+    hidden = torch.ones(4, 3)  # one padding row past the scheduled tokens
+    drafts = store_context_only(proposer, torch.tensor([4, 5, 0, 9]), hidden, cad)
+    assert drafts.shape == (2, 0) and drafts.dtype == torch.int64
+    (states, positions, slots), = calls
+    assert states.shape == (3, 3) and bool((states == 2).all())
+    assert positions.tolist() == [4, 5, 0] and slots.tolist() == [2 * 4 + 0, 2 * 4 + 1, 3 * 4 + 0]

@@ -21,6 +21,10 @@ lookup exists) and sets ``ONLINE_OPD_SPECULATION``; then ``install`` (called by
   K drafts while K more are drafted; the first and last step of a change of K
   are left out. From the same two calls it counts, per verified block, its
   length and accepted count (``AcceptanceCounts``).
+- skips, after a step that drafted nothing (K = 0), the engine core's request
+  for the step's drafts (``post_step``: a round trip to the worker that would
+  return empty lists; each request's drafts were already cleared when it was
+  scheduled);
 - explores: when the policy's schedule says K = 0, the cost of speculating is
   never measured. So a bounded share of steps (``explore_share``) runs in short
   bursts of ``explore_steps`` steps at K in 1..K_max, cycled, for every batch
@@ -29,8 +33,9 @@ lookup exists) and sets ``ONLINE_OPD_SPECULATION``; then ``install`` (called by
 
 K = 0 steps still run the drafter's context pass (DFlash and EAGLE proposers keep
 their K/V for every token: llm_base_proposer.py returns before sampling when
-``num_speculative_tokens == 0``), so turning K back on drafts from a complete
-context. Nothing here raises into vLLM: errors are logged once and counted.
+``num_speculative_tokens == 0``; for DFlash only the context K/V are computed,
+dflash_context.py), so turning K back on drafts from a complete context.
+Nothing here raises into vLLM: errors are logged once and counted.
 """
 
 from __future__ import annotations
@@ -45,7 +50,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from online_opd.speculation.acceptance import AcceptanceCounts
 from online_opd.speculation.costs import StepCosts
-from vllm_patches import SPECULATION_ENV
+from vllm_patches import SPECULATION_ENV, dflash_context
 
 logger = logging.getLogger("online_opd.speculation")
 
@@ -58,7 +63,7 @@ class SpeculationSettings(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    explore_share: float = Field(0.02, ge=0, le=0.5)
+    explore_share: float = Field(0.01, ge=0, le=0.5)
     explore_steps: int = Field(3, ge=2)
     cost_alpha: float = Field(0.05, gt=0, le=1)
 
@@ -81,6 +86,7 @@ class SpeculationControl:
         self._next_k = max_k
         self._pending: dict[int, tuple[float, int, int, bool]] = {}  # id(output) -> (start, b, K, steady)
         self._last_end = 0.0
+        self.last_k: int | None = None  # K drafted by the last step that ran
 
     def lookup_for_step(self) -> list[int] | None:
         """The lookup the next schedule() uses: the policy's, or a burst's K for every batch size
@@ -109,7 +115,7 @@ class SpeculationControl:
             self._explore_left -= 1
             if self._explore_left <= 0:
                 self._explore_k = None
-        k = out.num_spec_tokens_to_schedule
+        k = self.last_k = out.num_spec_tokens_to_schedule
         spec = out.scheduled_spec_decode_tokens
         is_steady = not out.scheduled_new_reqs and all(
             n == 1 + k and len(spec.get(rid, ())) == k for rid, n in sizes.items())
@@ -226,10 +232,20 @@ def install(settings: SpeculationSettings) -> None:
                 _error(control, "update_from_output", exc)
         return result
 
+    orig_post_step = EngineCore.post_step
+
+    def post_step(self, model_executed: bool) -> None:
+        control = getattr(self.scheduler, "_online_opd_speculation", None)
+        if control is not None and control.policy_lookup and control.last_k == 0:
+            return  # nothing was drafted: taking the (empty) drafts would only cost a worker round trip
+        orig_post_step(self, model_executed)
+
     Scheduler.schedule = schedule
     Scheduler.update_from_output = update_from_output
+    EngineCore.post_step = post_step
     setattr(EngineCore, SET_METHOD, set_speculation)  # methods: the engine core is the first argument
     setattr(EngineCore, STATUS_METHOD, speculation_status)
+    dflash_context.install()
     logger.info("online-opd speculation control installed: exploration %.1f%% of steps in bursts of %d",
                 100 * settings.explore_share, settings.explore_steps)
 
