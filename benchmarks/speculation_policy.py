@@ -175,7 +175,7 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=None, help="also write the JSON here")
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(asctime)s %(name)s: %(message)s")
-    for name in ("httpx", "openai"):
+    for name in ("httpx", "httpx2", "openai"):
         logging.getLogger(name).setLevel(logging.WARNING)
     args.config = args.config.resolve()
     with tempfile.TemporaryDirectory(prefix="speculation-policy-") as tmp:

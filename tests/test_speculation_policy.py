@@ -189,3 +189,18 @@ def test_decide_keeps_the_serving_schedule_inside_the_margin():
     nudged = decide(model, [0.51, 0.26, 0.13, 0.07], max_k=4, max_batch_size=8, margin=0.2,
                     current=first.lookup)
     assert nudged.lookup == first.lookup
+
+
+def test_conservative_decision_uses_costs_measured_at_batch_size_one():
+    # only b = 1 measured: the fit cannot tell how K costs grow with b, so b > 1 stays at K = 0
+    costs = StepCosts()
+    for k, seconds in [(0, 0.1), (4, 0.3)]:
+        for _ in range(10):
+            costs.observe(1, k, seconds)
+    model = CostModel(costs)
+    assert not model.knows_speculation
+    # a_k = 0.5: measured t(1, 4) / t(1, 0) = 3 = tau(4), break-even only; the prior's ratios for K = 1..3
+    # (1.125, 1.25, 1.375) are below tau(K) = 1.5, 2.0, 2.5
+    decision = decide(model, [0.5] * 4, max_k=4, max_batch_size=4, margin=0.0)
+    assert decision.is_conservative and decision.schedule == [(1, 1, 3), (2, 4, 0)]
+    # tau(3) / (1 + 0.375) = 2.5 / 1.375 = 1.818 > tau(2) / 1.25 = 1.6, tau(1) / 1.125 = 1.333

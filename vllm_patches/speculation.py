@@ -119,6 +119,8 @@ class SpeculationControl:
         spec = out.scheduled_spec_decode_tokens
         is_steady = not out.scheduled_new_reqs and all(
             n == 1 + k and len(spec.get(rid, ())) == k for rid, n in sizes.items())
+        if len(self._pending) > 64:  # outputs never handed back (an engine error): forget them
+            self._pending.clear()
         self._pending[id(out)] = (start, len(sizes), k, is_steady)
 
     def on_output(self, out: Any, model_output: Any, end: float) -> None:

@@ -25,10 +25,11 @@ the lower powers) and for a profile scaled up, a_k -> c a_k with c > 1. So such
 better acceptance never lowers the chosen K (with or without the margin).
 
 Without a cost model for K > 0 (nothing speculative measured yet) the schedule
-is conservative: K = 0 for b > 1, and at b = 1 the K the policy picks with a
-prior cost ratio t(1, K) / t(1, 0) = 1 + ``prior_cost_per_token`` K (0.125: a
-K = 4 step cost 1.5 plain steps on the 2-core CPU), which speculates only when
-acceptance is known to pay by the margin.
+is conservative: K = 0 for b > 1, and at b = 1 the K the policy picks with the
+costs measured at b = 1 and, for the K not measured there, a prior cost ratio
+t(1, K) / t(1, 0) = 1 + ``prior_cost_per_token`` K (0.125: a K = 4 step cost 1.5
+plain steps on the 2-core CPU); it speculates only when acceptance is known to
+pay by the margin.
 """
 
 from __future__ import annotations
@@ -125,10 +126,12 @@ def decide(model: CostModel | None, acceptance: Sequence[float | None], *, max_k
 
 def _step_seconds(model: CostModel | None, b: int, max_k: int, is_conservative: bool,
                   prior: float) -> list[float | None] | None:
-    """t(b, 0..max_k); the prior ratio at b = 1 when conservative; None where nothing is known."""
+    """t(b, 0..max_k); when conservative, at b = 1 the measured buckets and the prior ratio for the
+    others; None where nothing is known."""
     if is_conservative:
         if b > 1:
             return None
-        plain = model.seconds(1, 0) if model is not None else None
-        return [(plain or 1.0) * (1.0 + prior * k) for k in range(max_k + 1)]
+        measured = model.measured if model is not None else {}
+        plain = measured.get((1, 0)) or (model.seconds(1, 0) if model is not None else None) or 1.0
+        return [measured.get((1, k)) or plain * (1.0 + prior * k) for k in range(max_k + 1)]
     return [model.seconds(b, k) for k in range(max_k + 1)]
