@@ -272,6 +272,24 @@ def _stream_greedy(c: OpenAI, prompt: list[int], max_tokens: int, progress: list
     return ids
 
 
+_STREAM_TOKENS = 256
+
+
+def _streams_across_reload(server, c: OpenAI, rollouts, path: Path):
+    """Streams every rollout prompt greedily and reloads `path` once each has received 16 ids;
+    returns the reload reply, the ids each stream had received when it was sent, and the outputs."""
+    progress = [0] * len(rollouts)
+    with ThreadPoolExecutor(len(rollouts)) as pool:
+        futures = [pool.submit(_stream_greedy, c, prompt, _STREAM_TOKENS, progress, i)
+                   for i, (prompt, _) in enumerate(rollouts)]
+        deadline = time.monotonic() + 300
+        while min(progress) < 16 and time.monotonic() < deadline:
+            time.sleep(0.02)
+        at_reload = list(progress)
+        reply = server.admin("POST", "/reload", json={"path": str(path)})
+        return reply, at_reload, [f.result() for f in futures]
+
+
 def test_reload_gives_a_clean_version_boundary(server, rollouts, trained_run, tmp_path):
     """A reload lands while six greedy requests stream (each past its 16th token, none done), one of
     them repeating a prompt served just before. Every block names the version whose weights drafted
@@ -289,25 +307,21 @@ def test_reload_gives_a_clean_version_boundary(server, rollouts, trained_run, tm
     other_path = save_drafter(other, tmp_path / "other", version="boundary")
     old = httpx_status(server)
     c = client(server)
-    num_before = len(wait_records(server.buffer, 0, timeout=0))
-    assert complete(c, rollouts[0][0], temperature=0.0, stream=False) == rollouts[0][1]
-    progress = [0] * len(rollouts)
-    with ThreadPoolExecutor(len(rollouts)) as pool:
-        futures = [pool.submit(_stream_greedy, c, prompt, 160, progress, i) for i, (prompt, _) in enumerate(rollouts)]
-        deadline = time.monotonic() + 300
-        while min(progress) < 16 and time.monotonic() < deadline:
-            time.sleep(0.05)
-        at_reload = list(progress)
-        reply = server.admin("POST", "/reload", json={"path": str(other_path)})
-        outputs = [f.result() for f in futures]
-    try:
+    for _ in range(3):
+        num_before = len(wait_records(server.buffer, 0, timeout=0))
+        assert complete(c, rollouts[0][0], temperature=0.0, stream=False) == rollouts[0][1]
+        reply, at_reload, outputs = _streams_across_reload(server, c, rollouts, other_path)
         assert reply.status_code == 200 and reply.json()["version"] == "boundary", reply.text
-        assert all(16 <= n < 160 for n in at_reload), at_reload
         assert all(out[: len(expected)] == expected for out, (_, expected) in zip(outputs, rollouts))
         records = wait_records(server.buffer, num_before + 1 + len(rollouts))[num_before:]
         assert len(records) == 1 + len(rollouts)
-    finally:
         server.admin("POST", "/reload", json={"path": str(trained_run / "drafter")})
+        if all(16 <= n < _STREAM_TOKENS for n in at_reload):
+            break
+        # On a loaded two-core machine a stream can lag the others by its whole length, so that the
+        # reload found it not started or already done: the precondition, not the behaviour, failed.
+    else:
+        pytest.fail(f"no attempt had every stream running when the reload landed (last: {at_reload})")
     assert all(check_fidelity(r) == [] for r in records)
     assert sum(len({b.drafter_version for b in r.blocks}) == 2 for r in records) == len(rollouts)
     assert all(r.drafter_version == r.blocks[0].drafter_version for r in records if r.blocks)

@@ -102,8 +102,10 @@ class SpeculationControl:
 
     def _is_exploration_due(self) -> bool:
         s, c = self.settings, self.counters
-        return s.explore_share > 0 and self.max_k > 0 and c["explored_steps"] + s.explore_steps <= s.explore_share * (
-            c["steps"] + s.explore_steps)
+        if s.explore_share <= 0 or self.max_k <= 0:
+            return False
+        # a burst starts only if, counted in, explored steps stay within the share of all steps
+        return c["explored_steps"] + s.explore_steps <= s.explore_share * (c["steps"] + s.explore_steps)
 
     def on_scheduled(self, out: Any, start: float) -> None:
         sizes = out.num_scheduled_tokens
