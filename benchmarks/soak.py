@@ -42,6 +42,7 @@ from online_opd.config import load_config
 from online_opd.release.registry import DrafterRegistry
 from online_opd.traces.buffer import BufferReader
 from online_opd.train.sequences import load_sequences
+from serve.cpu_runtime import runtime_env_for
 from serve.launcher import ROOT, ServerProcess
 from serve.soak import TrafficSettings, check_soak, problems, run_reloads, run_traffic
 
@@ -74,8 +75,9 @@ def soak_prompts(run_dir: Path, num_extra: int, max_tokens: int) -> tuple[list[l
         extra = load_prompts("sharegpt", num_prompts=num_extra, seed=1, split="held_out")
         prompts += engine.chat_prompt_ids(load_tokenizer(target), [p.messages for p in extra])
     prompts = [p for p in prompts if len(p) + max_tokens <= cfg.model.max_model_len]
-    llm = engine.make_llm(target, dtype=cfg.model.dtype, max_model_len=cfg.model.max_model_len,
-                          engine_kwargs=cfg.engine)
+    llm = engine.make_llm(target, dtype=cfg.model.serving_dtype(), max_model_len=cfg.model.max_model_len,
+                          engine_kwargs=cfg.engine,
+                          runtime_env=runtime_env_for(cfg.cpu.openmp, cfg.cpu.reserved_cores))
     try:
         outputs = [g.output_ids for g in engine.generate(llm, prompts, max_tokens=max_tokens, progress=False)]
     finally:

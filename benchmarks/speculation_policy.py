@@ -10,9 +10,13 @@ servers on identical requests (held-out ShareGPT prompts, temperature 0,
   (`--train` turns it on: it shares the same cores, which is the trainer's
   cost, not the policy's);
 - plain vLLM: `vllm serve` in-process (serve/server.py ``run_vllm_serve``) with
-  the same model and flags, no speculative config and no online-opd plugin.
+  the same model, flags and CPU runtime settings (the config's `cpu:` section:
+  the fastest plain settings benchmarks/plain_settings.py found), no
+  speculative config and no online-opd plugin;
+- (unless --no-ngram) the same plain server with vLLM's built-in `ngram`
+  speculation (prompt lookup 2-4, K=4): what a user gets without training.
 
-A round starts one server per mode; the order alternates between rounds. Per
+A round starts one server per mode; each mode goes first in turn. Per
 server and concurrency: warm-up requests, then a fixed closed-loop load; the
 ratio online-opd / plain of output tokens/s is reported per round and as the
 median. The target is >= 0.95 at every concurrency. From the online-opd
@@ -31,9 +35,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -42,7 +44,7 @@ from typing import Any
 
 from online_opd.speculation.costs import CostModel, StepCosts
 from online_opd.speculation.policy import break_even_taus
-from serve.launcher import ROOT, ServerProcess, free_port
+from serve.launcher import ROOT, PlainVllmServer, ServerProcess, tau
 from serve.loadgen import LoadConfig, run_load
 
 logger = logging.getLogger("speculation_policy")
@@ -50,6 +52,8 @@ logger = logging.getLogger("speculation_policy")
 TOKEN = "speculation-policy-bench"
 TARGET_RATIO = 0.95
 CONCURRENCIES = (1, 8, 32)
+# vLLM's built-in prompt-lookup speculation: the baseline a user gets without training
+NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 4}
 
 
 def make_fresh_drafter(cfg_path: Path, out: Path) -> tuple[Path, Path]:
@@ -67,30 +71,6 @@ def make_fresh_drafter(cfg_path: Path, out: Path) -> tuple[Path, Path]:
     target_model = TargetModel.from_pretrained(target, dtype=torch.float32)
     drafter = new_drafter(cfg.drafter, target_model.config, load_tokenizer(target), target_model)
     return target, save_drafter(drafter, out, version="v0001", metrics={"origin": "fresh"})
-
-
-class PlainServer:
-    """`vllm serve` with online-opd's flags minus speculation, no plugin of this project loaded."""
-
-    def __init__(self, run_dir: Path, target: Path, args: argparse.Namespace):
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        run_dir.mkdir(parents=True, exist_ok=True)
-        self.log = open(run_dir / "server.log", "w")
-        argv = ["serve", str(target), "--host", "127.0.0.1", "--port", str(self.port), "--dtype", "float32",
-                "--max-model-len", "2048", "--served-model-name", target.name, "--enforce-eager",
-                "--max-num-seqs", str(args.max_num_seqs)]
-        code = f"from serve.server import run_vllm_serve; run_vllm_serve({argv!r})"
-        env = {**os.environ, "VLLM_PLUGINS": "", "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "2")}
-        self.proc = subprocess.Popen([sys.executable, "-c", code], cwd=ROOT, stdout=self.log,
-                                     stderr=subprocess.STDOUT, env=env, start_new_session=True)
-
-    wait_ready = ServerProcess.wait_ready
-    stop = ServerProcess.stop
-
-    def tail(self, n: int = 8000) -> str:
-        self.log.flush()
-        return Path(self.log.name).read_text()[-n:]
 
 
 def measure(url: str, args: argparse.Namespace) -> dict[str, Any]:
@@ -134,8 +114,15 @@ def policy_figures(server: ServerProcess, max_k: int) -> dict[str, Any]:
 
 def run_mode(mode: str, run_dir: Path, target: Path, drafter: Path, args: argparse.Namespace) -> dict:
     start = time.perf_counter()
-    if mode == "plain":
-        server: Any = PlainServer(run_dir, target, args)
+    if mode in ("plain", "ngram"):
+        from online_opd.config import load_config
+        from serve.cpu_runtime import runtime_env_for
+
+        cfg = load_config(args.config)
+        spec = ["--speculative-config", json.dumps(NGRAM)] if mode == "ngram" else []
+        server: Any = PlainVllmServer(run_dir, target, *spec, dtype=cfg.model.serving_dtype(),
+                                      max_model_len=cfg.model.max_model_len, max_num_seqs=args.max_num_seqs,
+                                      runtime_env=runtime_env_for(cfg.cpu.openmp, cfg.cpu.reserved_cores))
     else:
         extra = [] if args.train else ["--drafter", str(drafter)]
         server = ServerProcess(run_dir, args.config, *extra, "--max-num-seqs", str(args.max_num_seqs), token=TOKEN)
@@ -145,6 +132,10 @@ def run_mode(mode: str, run_dir: Path, target: Path, drafter: Path, args: argpar
         result: dict[str, Any] = {"by_concurrency": measure(server.url, args)}
         if mode == "online-opd":
             result["policy"] = policy_figures(server, args.max_k)
+        elif mode == "ngram":
+            served, drafts = tau({"vllm:spec_decode_num_drafts_total": 0, "vllm:spec_decode_num_accepted_tokens_total": 0},
+                                 server.metrics())
+            result["spec"] = {"config": NGRAM, "tau": round(served, 4), "drafts": drafts}
         return result
     finally:
         server.stop()
@@ -159,6 +150,10 @@ def summarize(rounds: list[dict]) -> dict[str, Any]:
                   "tokens_per_s_online_opd": [r["tokens_per_s"]["online-opd"][c] for r in rounds],
                   "tokens_per_s_plain": [r["tokens_per_s"]["plain"][c] for r in rounds],
                   "target_met": median is not None and median >= TARGET_RATIO}
+        ngram = [r["ratio_ngram"][c] for r in rounds if r.get("ratio_ngram", {}).get(c) is not None]
+        if ngram:
+            out[c]["ngram_ratio_median"] = round(statistics.median(ngram), 4)
+            out[c]["ngram_ratio_per_round"] = ngram
     return out
 
 
@@ -171,6 +166,8 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=4)
     parser.add_argument("--max-num-seqs", type=int, default=32)
     parser.add_argument("--max-k", type=int, default=4, help="the drafter's block size (break-even taus)")
+    parser.add_argument("--ngram", action=argparse.BooleanOptionalAction, default=True,
+                        help="also measure vLLM's built-in ngram speculation, the untrained baseline (default on)")
     parser.add_argument("--train", action="store_true", help="online-opd serve with its online trainer on")
     parser.add_argument("--out", type=Path, default=None, help="also write the JSON here")
     args = parser.parse_args()
@@ -183,12 +180,16 @@ def main() -> None:
         target, drafter = make_fresh_drafter(args.config, base / "fresh-drafter")
         rounds = []
         for r in range(args.rounds):
-            order = ("online-opd", "plain") if r % 2 == 0 else ("plain", "online-opd")
+            names = ["online-opd", "plain"] + (["ngram"] if args.ngram else [])
+            order = names[r % len(names):] + names[: r % len(names)]  # each mode goes first in turn
             modes = {m: run_mode(m, base / f"round{r}-{m}", target, drafter, args) for m in order}
             tps = {m: {c: v["output_tokens_per_s"] for c, v in modes[m]["by_concurrency"].items()} for m in modes}
-            rounds.append({"round": r, "order": list(order), "tokens_per_s": tps,
-                           "ratio": {c: round(tps["online-opd"][c] / tps["plain"][c], 4) if tps["plain"][c] else None
-                                     for c in tps["plain"]},
+
+            def ratio(mode: str) -> dict:
+                return {c: round(tps[mode][c] / tps["plain"][c], 4) if tps["plain"][c] else None for c in tps["plain"]}
+
+            rounds.append({"round": r, "order": list(order), "tokens_per_s": tps, "ratio": ratio("online-opd"),
+                           **({"ratio_ngram": ratio("ngram"), "ngram": modes["ngram"]["spec"]} if args.ngram else {}),
                            "policy": modes["online-opd"]["policy"],
                            "detail": {m: modes[m]["by_concurrency"] for m in modes}})
     per_concurrency = summarize(rounds)
@@ -196,7 +197,9 @@ def main() -> None:
         "benchmark": "speculation_policy", "config": str(args.config), "rounds": args.rounds,
         "online_opd_serve": "defaults (speculation auto, capture on), fresh drafter"
                             + (", online trainer on" if args.train else ", online trainer off (--drafter)"),
-        "plain": "vllm serve, same model and flags, no speculative config, no online-opd plugin",
+        "plain": "vllm serve, same model, flags and CPU runtime settings (config cpu:), no speculative config, "
+                 "no online-opd plugin",
+        "ngram": f"the plain server plus vLLM's ngram speculation {json.dumps(NGRAM)}" if args.ngram else None,
         "max_tokens": args.max_tokens, "max_num_seqs": args.max_num_seqs,
         "prompts": "sharegpt held_out, temperature 0, ignore_eos",
         "target": f"output tokens/s online-opd / plain >= {TARGET_RATIO} at c=1, 8, 32 (median over rounds)",

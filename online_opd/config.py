@@ -49,9 +49,22 @@ class ModelConfig(_Strict):
         None, min_length=1, description="Path or Hugging Face id; null = embedded SmolLM2-135M-Instruct.")
     cache_dir: Path | None = Field(
         None, description="Cache for the embedded model; null = $ONLINE_OPD_CACHE or ~/.cache/online-opd.")
-    dtype: Literal["float32", "bfloat16", "float16"] = Field(
-        "float32", description="Weight/activation dtype of target and drafter.")
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
+        "auto", description="vLLM's dtype for target and drafter (the trainer always computes in float32). "
+                            "auto = bfloat16 on a GPU and on a CPU with native bf16 (AVX512-BF16/AMX: "
+                            "the fastest plain serving measured here), else float32. Exact-output "
+                            "comparisons need float32: batched verification changes bf16 rounding.")
     max_model_len: int = Field(2048, gt=0, description="Longest sequence (prompt + output) in tokens.")
+
+    def serving_dtype(self) -> str:
+        """``dtype`` with auto resolved for this machine."""
+        if self.dtype != "auto":
+            return self.dtype
+        import torch
+
+        if torch.cuda.is_available():
+            return "bfloat16" if torch.cuda.is_bf16_supported() else "float16"
+        return "bfloat16" if torch.cpu._is_avx512_bf16_supported() else "float32"
 
     def resolved_cache_dir(self) -> Path:
         """``cache_dir``, or the package default when unset."""
@@ -60,6 +73,22 @@ class ModelConfig(_Strict):
         from online_opd.models.target import default_cache_dir
 
         return default_cache_dir()
+
+
+class CpuConfig(_Strict):
+    """vLLM's CPU runtime (serve/cpu_runtime.py), for the server and the offline engine; ignored on GPUs.
+
+    The defaults are the fastest plain-vLLM settings benchmarks/plain_settings.py measured here; the
+    speed benchmarks give their plain-vLLM baseline the same ones."""
+
+    openmp: Literal["iomp", "gomp"] = Field(
+        "iomp", description="OpenMP runtime the engine preloads: iomp = Intel's libiomp5 from the venv "
+                            "(vLLM's recommendation; needed for fast speculative decoding), gomp = torch's "
+                            "libgomp (vLLM's fallback). An LD_PRELOAD that already names one is kept.")
+    reserved_cores: int | None = Field(
+        0, ge=0, description="VLLM_CPU_NUM_OF_RESERVED_CPU: cores kept out of the engine's OpenMP threads "
+                             "for the scheduler and API server; null = vLLM's default (1 on x86). An "
+                             "environment value already set is kept.")
 
 
 class DrafterConfig(_Strict):
@@ -343,6 +372,7 @@ class OnlineOPDConfig(_Strict):
     serve: ServeConfig = Field(default_factory=ServeConfig)
     gate: GateConfig = Field(default_factory=GateConfig)
     online: OnlineConfig = Field(default_factory=OnlineConfig)
+    cpu: CpuConfig = Field(default_factory=CpuConfig)
     engine: dict[str, Any] = Field(
         default_factory=dict, description="vLLM engine keyword arguments, passed through as-is.")
 

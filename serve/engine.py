@@ -65,9 +65,12 @@ def make_llm(
     drafter: str | Path | None = None,
     num_speculative_tokens: int | None = None,
     method: str = "dflash",
+    runtime_env: dict[str, str] | None = None,
 ):
-    """A vLLM `LLM` for `target`, with speculative decoding when `drafter` is given."""
+    """A vLLM `LLM` for `target`, with speculative decoding when `drafter` is given. `runtime_env`
+    (serve/cpu_runtime.py) goes into this process's environment before vLLM spawns its engine."""
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
+    os.environ.update(runtime_env or {})
     from vllm import LLM
 
     kwargs: dict[str, Any] = {"enforce_eager": True, "disable_log_stats": False}

@@ -17,6 +17,7 @@ from pathlib import Path
 from online_opd.config import OnlineOPDConfig
 from online_opd.data import load_prompts
 from serve import engine
+from serve.cpu_runtime import runtime_env_for
 from serve.pipeline import load_tokenizer, resolve_target
 
 logger = logging.getLogger(__name__)
@@ -59,14 +60,16 @@ def evaluate(cfg: OnlineOPDConfig, drafter: Path, *, progress: bool = True) -> d
               "max_tokens": cfg.eval.max_tokens, "temperature": cfg.eval.temperature}
     baseline_outputs = None
     if cfg.eval.baseline:
-        llm = engine.make_llm(target, dtype=cfg.model.dtype, max_model_len=cfg.model.max_model_len,
-                              engine_kwargs=engine_kwargs)
+        llm = engine.make_llm(target, dtype=cfg.model.serving_dtype(), max_model_len=cfg.model.max_model_len,
+                              engine_kwargs=engine_kwargs,
+                              runtime_env=runtime_env_for(cfg.cpu.openmp, cfg.cpu.reserved_cores))
         try:
             result["baseline"], baseline_outputs = _run_levels(llm, prompt_ids, cfg, progress)
         finally:
             engine.shutdown(llm)
-    llm = engine.make_llm(target, dtype=cfg.model.dtype, max_model_len=cfg.model.max_model_len,
+    llm = engine.make_llm(target, dtype=cfg.model.serving_dtype(), max_model_len=cfg.model.max_model_len,
                           engine_kwargs=engine_kwargs, drafter=drafter,
+                          runtime_env=runtime_env_for(cfg.cpu.openmp, cfg.cpu.reserved_cores),
                           num_speculative_tokens=num_spec, method=method)
     try:
         before = engine.spec_counters(llm)

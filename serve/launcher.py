@@ -87,6 +87,31 @@ class ServerProcess:
                              headers={"Authorization": f"Bearer {self.token}"}, **kwargs)
 
 
+class PlainVllmServer(ServerProcess):
+    """`vllm serve TARGET` with no online-opd plugin loaded: the baseline of the speed benchmarks.
+
+    `runtime_env` carries the CPU runtime settings (serve/cpu_runtime.py) the online-opd server gets,
+    so that the comparison is against plain vLLM at its fastest, never a slowed-down one. `args` adds
+    vLLM flags (`--speculative-config` for vLLM's own ngram speculation)."""
+
+    def __init__(self, run_dir: Path, target: Path, *args: str, dtype: str = "float32",
+                 max_model_len: int = 2048, max_num_seqs: int = 32, runtime_env: dict | None = None):
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.run_dir = run_dir
+        self.token = None
+        run_dir.mkdir(parents=True, exist_ok=True)
+        self.log = open(run_dir / "server.log", "w")
+        argv = ["serve", str(target), "--host", "127.0.0.1", "--port", str(self.port), "--dtype", dtype,
+                "--max-model-len", str(max_model_len), "--served-model-name", target.name, "--enforce-eager",
+                "--max-num-seqs", str(max_num_seqs), *args]
+        code = f"from serve.server import run_vllm_serve; run_vllm_serve({argv!r})"
+        env = {**os.environ, "VLLM_PLUGINS": "", **(runtime_env or {})}
+        env.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
+        self.proc = subprocess.Popen([sys.executable, "-c", code], cwd=ROOT, stdout=self.log,
+                                     stderr=subprocess.STDOUT, env=env, start_new_session=True)
+
+
 def tau(before: dict[str, float], after: dict[str, float]) -> tuple[float, int]:
     """Served acceptance length between two scrapes, from vLLM's own counters."""
     drafts = after["vllm:spec_decode_num_drafts_total"] - before["vllm:spec_decode_num_drafts_total"]

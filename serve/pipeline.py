@@ -30,6 +30,7 @@ from online_opd.train.sequences import (
 )
 from online_opd.train.sft import sample_anchors, sft_loss
 from serve import engine
+from serve.cpu_runtime import runtime_env_for
 from serve.signals import stop_on_signals
 
 logger = logging.getLogger(__name__)
@@ -59,8 +60,9 @@ def generate_rollouts(
     prompt_ids = engine.chat_prompt_ids(load_tokenizer(target), [p.messages for p in prompts])
     limit = cfg.model.max_model_len - cfg.data.max_new_tokens
     prompt_ids = [p for p in prompt_ids if len(p) <= limit]
-    llm = engine.make_llm(target, dtype=cfg.model.dtype, max_model_len=cfg.model.max_model_len,
-                          engine_kwargs=cfg.engine)
+    llm = engine.make_llm(target, dtype=cfg.model.serving_dtype(), max_model_len=cfg.model.max_model_len,
+                          engine_kwargs=cfg.engine,
+                          runtime_env=runtime_env_for(cfg.cpu.openmp, cfg.cpu.reserved_cores))
     try:
         start = time.perf_counter()
         gens = engine.generate(llm, prompt_ids, max_tokens=cfg.data.max_new_tokens, progress=progress)

@@ -129,7 +129,7 @@ def vllm_argv(cfg: OnlineOPDConfig, target: Path, drafter: Path, passthrough: li
     """`vllm serve` arguments (``speculative_config`` for the drafter and K)."""
     spec = speculative_config(cfg, drafter)
     argv = ["serve", str(target), "--host", cfg.serve.host, "--port", str(cfg.serve.port),
-            "--dtype", cfg.model.dtype, "--max-model-len", str(cfg.model.max_model_len),
+            "--dtype", cfg.model.serving_dtype(), "--max-model-len", str(cfg.model.max_model_len),
             *(["--speculative-config", json.dumps(spec)] if spec is not None else []),
             "--worker-extension-cls", WORKER_EXTENSION]
     if not any(a == "--served-model-name" or a.startswith("--served-model-name=") for a in passthrough):
@@ -146,6 +146,7 @@ def serve_env(cfg: OnlineOPDConfig, target: Path, drafter: Path, *, capture: boo
               follow_registry: bool = True) -> dict[str, str]:
     """Environment for vLLM's processes: plugin allowlist and online-opd settings."""
     from online_opd.models.drafters.checkpoint import read_manifest
+    from serve.cpu_runtime import runtime_env_for
     from vllm_patches import CAPTURE_ENV, SPECULATION_ENV
     from vllm_patches.capture import CaptureSettings
     from vllm_patches.endpoint import SERVE_ENV, EndpointSettings
@@ -156,6 +157,7 @@ def serve_env(cfg: OnlineOPDConfig, target: Path, drafter: Path, *, capture: boo
     existing = [p for p in os.environ.get("VLLM_PLUGINS", "").split(",") if p]
     env["VLLM_PLUGINS"] = ",".join(dict.fromkeys(existing + list(PLUGIN_NAMES)))
     env["VLLM_CPU_KVCACHE_SPACE"] = os.environ.get("VLLM_CPU_KVCACHE_SPACE", "2")
+    env.update(runtime_env_for(cfg.cpu.openmp, cfg.cpu.reserved_cores))
     sc = cfg.serve
     env[SERVE_ENV] = EndpointSettings(
         admin_token_env=sc.admin_token_env, stats_poll_s=sc.stats_poll_s,
