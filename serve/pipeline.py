@@ -1,8 +1,9 @@
 """Offline jobs that need vLLM: target rollouts, SFT bootstrap, served eval.
 
 Each job is resumable through files in its run directory: rollouts
-(`rollouts.safetensors`), target features (`sequences.safetensors`), the
-trainer state, and the output drafter (`drafter/`, vLLM's format).
+(`rollouts.safetensors`), target features (`sequences.safetensors`), text
+sequences with their features and greedy labels (`text_sequences.safetensors`),
+the trainer state, and the output drafter (`drafter/`, vLLM's format).
 """
 
 from __future__ import annotations
@@ -15,8 +16,8 @@ from pathlib import Path
 
 import torch
 
-from online_opd.config import OnlineOPDConfig
-from online_opd.data import load_prompts
+from online_opd.config import BootstrapConfig, OnlineOPDConfig
+from online_opd.data import load_conversations, load_prompts
 from online_opd.models.drafters.checkpoint import load_drafter, save_drafter
 from online_opd.models.drafters.factory import new_drafter
 from online_opd.models.target import ensure_embedded_target
@@ -79,8 +80,41 @@ def generate_rollouts(
     ]
 
 
+def text_sequences(cfg: OnlineOPDConfig, tokenizer) -> list[TrainSequence]:
+    """`bootstrap.text_conversations` train-split ShareGPT exchanges as token ids: the chat-templated
+    human turn (prompt_len) then up to `bootstrap.text_max_tokens` reply tokens."""
+    conversations = load_conversations(num_conversations=cfg.bootstrap.text_conversations,
+                                       seed=cfg.data.seed, split="train",
+                                       held_out_fraction=cfg.data.held_out_fraction)
+    prompts = engine.chat_prompt_ids(tokenizer, [[{"role": "user", "content": c.prompt}] for c in conversations])
+    sequences = []
+    for prompt_ids, conversation in zip(prompts, conversations):
+        reply_ids = tokenizer(conversation.reply, add_special_tokens=False)["input_ids"]
+        ids = prompt_ids + reply_ids[: cfg.bootstrap.text_max_tokens]
+        if len(ids) <= cfg.model.max_model_len:
+            sequences.append(TrainSequence(torch.tensor(ids, dtype=torch.int64), len(prompt_ids)))
+    return sequences
+
+
+def prepare_text_sequences(cfg: OnlineOPDConfig, target: Path, run_dir: Path, layer_ids, *, progress=True):
+    """Text sequences with target features and greedy labels, computed once per run directory."""
+    if cfg.bootstrap.text_conversations == 0:
+        return []
+    path = run_dir / "text_sequences.safetensors"
+    if path.exists():
+        return load_sequences(path, layer_ids)
+    sequences = text_sequences(cfg, load_tokenizer(target))
+    target_model = TargetModel.from_pretrained(target, dtype=torch.float32)
+    compute_aux_hidden(target_model, sequences, tuple(layer_ids), with_labels=True, progress=progress,
+                       desc="text features")
+    save_sequences(path, sequences, layer_ids)
+    return sequences
+
+
 def prepare_sequences(cfg: OnlineOPDConfig, target: Path, run_dir: Path, layer_ids, *, progress=True):
     """Rollouts plus target features, computed once per run directory."""
+    if not cfg.bootstrap.rollouts:
+        return []
     features = run_dir / "sequences.safetensors"
     if features.exists():
         return load_sequences(features, layer_ids)
@@ -97,7 +131,8 @@ def prepare_sequences(cfg: OnlineOPDConfig, target: Path, run_dir: Path, layer_i
 
 
 def bootstrap(cfg: OnlineOPDConfig, run_dir: Path, *, progress: bool = True) -> Path:
-    """SFT warm-up of a fresh drafter on target rollouts; returns the drafter folder."""
+    """SFT warm-up of a fresh drafter on target rollouts and/or labelled text (one pool, drawn
+    uniformly); returns the drafter folder."""
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "config.json").write_text(json.dumps(cfg.model_dump(mode="json"), indent=2))
     target = resolve_target(cfg, progress=progress)
@@ -106,10 +141,26 @@ def bootstrap(cfg: OnlineOPDConfig, run_dir: Path, *, progress: bool = True) -> 
     drafter.attach_target(target_model.embed_weight, target_model.lm_head_weight)
     del target_model
     sequences = prepare_sequences(cfg, target, run_dir, drafter.target_layer_ids, progress=progress)
+    num_rollouts = len(sequences)
+    sequences += prepare_text_sequences(cfg, target, run_dir, drafter.target_layer_ids, progress=progress)
+    if not sequences:
+        raise RuntimeError("bootstrap has no training sequences: every rollout or text conversation was "
+                           "empty or longer than model.max_model_len; raise model.max_model_len or "
+                           "data.num_prompts / bootstrap.text_conversations")
     tcfg = cfg.bootstrap
     if tcfg.num_threads:
         torch.set_num_threads(tcfg.num_threads)
     gen = torch.Generator().manual_seed(tcfg.seed)
+    with stop_on_signals() as stop:
+        last = train(_sft_step_fn(drafter, sequences, tcfg, gen), drafter, tcfg, run_dir, progress=progress,
+                     desc="bootstrap (SFT)", generator=gen, stop=stop)
+    return save_drafter(drafter, run_dir / "drafter", step=last,
+                        metrics={"objective": "sft", "num_sequences": len(sequences),
+                                 "num_text_sequences": len(sequences) - num_rollouts})
+
+
+def _sft_step_fn(drafter, sequences: list[TrainSequence], tcfg: BootstrapConfig, gen: torch.Generator):
+    """One SFT step: `sequences_per_step` sequences drawn uniformly with replacement from the pool."""
 
     def step_fn(step: int):
         picks = torch.randint(len(sequences), (tcfg.sequences_per_step,), generator=gen).tolist()
@@ -124,11 +175,7 @@ def bootstrap(cfg: OnlineOPDConfig, run_dir: Path, *, progress: bool = True) -> 
         mean = {k: sum(s[k] for s in stats) / len(stats) for k in stats[0]}
         return torch.stack(losses).mean(), mean
 
-    with stop_on_signals() as stop:
-        last = train(step_fn, drafter, tcfg, run_dir, progress=progress, desc="bootstrap (SFT)",
-                     generator=gen, stop=stop)
-    return save_drafter(drafter, run_dir / "drafter", step=last,
-                        metrics={"objective": "sft", "num_sequences": len(sequences)})
+    return step_fn
 
 
 def load_serving_drafter(path: Path, target: Path):

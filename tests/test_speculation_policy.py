@@ -204,3 +204,21 @@ def test_conservative_decision_uses_costs_measured_at_batch_size_one():
     decision = decide(model, [0.5] * 4, max_k=4, max_batch_size=4, margin=0.0)
     assert decision.is_conservative and decision.schedule == [(1, 1, 3), (2, 4, 0)]
     # tau(3) / (1 + 0.375) = 2.5 / 1.375 = 1.818 > tau(2) / 1.25 = 1.6, tau(1) / 1.125 = 1.333
+
+
+def test_a_speculative_step_never_looks_cheaper_than_a_plain_one():
+    """Measured in the speculation-policy benchmark: t(1, 4) from 2 steps (0.055 s) under t(1, 0) from
+    500 (0.059 s), and a fit with c2 < 0, put a drafter with acceptance 0 at K = 4."""
+    costs = StepCosts()
+    for b, k, seconds, n in [(1, 0, 0.05928, 500), (1, 4, 0.05508, 2), (3, 0, 0.11862, 1), (8, 0, 0.2, 40),
+                             (8, 4, 0.19, 40)]:
+        for _ in range(n):
+            costs.observe(b, k, seconds)
+    model = CostModel(costs)
+    assert model.seconds(1, 4) == pytest.approx(0.05928 * 1.08)  # the floor: 1 + 0.02 K
+    assert model.seconds(8, 4) == pytest.approx(0.2 * 1.08)  # measured below plain, floored too
+    assert break_even_taus(model, 1, 4) == pytest.approx([1.02, 1.04, 1.06, 1.08])
+    decision = decide(model, [0.0, 0.0, 0.0, 0.0], max_k=4, max_batch_size=8, margin=0.0)
+    assert decision.lookup == [0] * 9
+    # serving K = 4 now: zero acceptance still moves it to 0 (the floor is a real loss, beyond any margin < 8%)
+    assert decide(model, [0.0] * 4, max_k=4, max_batch_size=8, margin=0.05, current=[0] + [4] * 8).lookup == [0] * 9

@@ -19,6 +19,13 @@ forward over b K drafts). When the buckets cannot identify all four
 coefficients (e.g. no step with K > 0 measured yet at two batch sizes) the
 model drops terms in the order c2, then c3; without a K term it only predicts
 K = 0 and returns None for K > 0: the cost of speculating is then unknown.
+
+A step with K drafts does strictly more work than one without (the draft
+forward and K more verified tokens per request), so no prediction of t(b, K)
+goes below t(b, 0) (1 + ``MIN_DRAFT_COST`` K). Without that floor, two noisy
+K = 4 steps (or a fit with c2 < 0) made speculating look cheaper than plain
+decoding, and a drafter with acceptance 0 was served at K = 4 (measured: t(1, 4)
+0.055 s from 2 steps vs t(1, 0) 0.059 s from 500).
 """
 
 from __future__ import annotations
@@ -30,6 +37,8 @@ import numpy as np
 #: basis terms of t(b, K), in the order the fit drops them from the end of each candidate list
 _BASES = (("1", "b", "k", "bk"), ("1", "b", "bk"), ("1", "b"), ("1",))
 _MIN_SECONDS = 1e-6
+#: least relative cost of one speculative token: t(b, K) >= t(b, 0) (1 + MIN_DRAFT_COST K)
+MIN_DRAFT_COST = 0.02
 
 
 @dataclass
@@ -111,7 +120,13 @@ class CostModel:
         return "k" in self.terms or "bk" in self.terms
 
     def seconds(self, batch_size: int, k: int) -> float | None:
-        """Predicted seconds per step; None when nothing measured supports it."""
+        """Predicted seconds per step, never below the plain step's floor; None when nothing measured
+        supports it."""
+        t = self._predict(batch_size, k)
+        plain = self._predict(batch_size, 0) if k > 0 and t is not None else None
+        return t if plain is None else max(t, plain * (1.0 + MIN_DRAFT_COST * k))
+
+    def _predict(self, batch_size: int, k: int) -> float | None:
         if (batch_size, k) in self.measured:
             return self.measured[(batch_size, k)]
         if not self.terms or (k > 0 and not self.knows_speculation):

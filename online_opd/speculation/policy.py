@@ -37,7 +37,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Sequence
 
-from online_opd.speculation.costs import CostModel
+from online_opd.speculation.costs import MIN_DRAFT_COST, CostModel
 
 #: vLLM's ``num_speculative_tokens_per_batch_size``: inclusive batch-size ranges with their K
 Schedule = list[tuple[int, int, int]]
@@ -133,5 +133,6 @@ def _step_seconds(model: CostModel | None, b: int, max_k: int, is_conservative: 
             return None
         measured = model.measured if model is not None else {}
         plain = measured.get((1, 0)) or (model.seconds(1, 0) if model is not None else None) or 1.0
-        return [measured.get((1, k)) or plain * (1.0 + prior * k) for k in range(max_k + 1)]
+        return [plain if k == 0 else max(measured.get((1, k)) or plain * (1.0 + prior * k),
+                                         plain * (1.0 + MIN_DRAFT_COST * k)) for k in range(max_k + 1)]
     return [model.seconds(b, k) for k in range(max_k + 1)]

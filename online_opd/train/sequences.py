@@ -1,9 +1,11 @@
-"""Target rollouts as training data: token ids plus the target's aux hidden
-states (the drafter's context features), computed once and stored.
+"""Training sequences (target rollouts or existing text): token ids plus the
+target's aux hidden states (the drafter's context features) and, for text,
+the target's greedy labels, computed once in one forward and stored.
 
 Stored as one safetensors file: `tokens` (all sequences concatenated),
-`offsets` [N+1], `prompt_lens` [N] and `aux_hidden` [total_tokens, F] in
-bfloat16, written atomically (online_opd/files.py).
+`offsets` [N+1], `prompt_lens` [N], `aux_hidden` [total_tokens, F] in
+bfloat16 and, when every sequence has them, `labels` [total_tokens], written
+atomically (online_opd/files.py).
 """
 
 from __future__ import annotations
@@ -23,6 +25,9 @@ class TrainSequence:
     tokens: torch.Tensor  # [T] int64, prompt + output
     prompt_len: int
     aux_hidden: torch.Tensor | None = None  # [T, F] target features at layer ids
+    # [T] int64: labels[t] = argmax of the target's logits after tokens[:t] for t > prompt_len,
+    # tokens[t] for t <= prompt_len (given, never predicted); None = tokens are the target's own
+    labels: torch.Tensor | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -30,14 +35,22 @@ class TrainSequence:
 
 
 def compute_aux_hidden(
-    target, sequences: list[TrainSequence], layer_ids: tuple[int, ...], *, progress: bool = True
+    target, sequences: list[TrainSequence], layer_ids: tuple[int, ...], *, with_labels: bool = False,
+    progress: bool = True, desc: str = "target features",
 ) -> None:
-    """Fill `aux_hidden` of every sequence with one target forward each."""
+    """Fill `aux_hidden` of every sequence with one target forward each; `with_labels` also fills
+    `labels` from that forward's logits at the response positions (argmax ids only: the
+    [T - prompt_len - 1, vocab] logits of one sequence are the largest transient)."""
     total = sum(s.num_tokens for s in sequences)
-    with tqdm(total=total, desc="target features", unit="tok", disable=not progress) as bar:
+    with tqdm(total=total, desc=desc, unit="tok", disable=not progress) as bar:
         for seq in sequences:
-            out = target.forward(seq.tokens, layer_ids=layer_ids, logits_at=seq.tokens[:0])
+            # logits at rows prompt_len .. T-2 predict tokens prompt_len+1 .. T-1
+            rows = torch.arange(seq.prompt_len, seq.num_tokens - 1) if with_labels else seq.tokens[:0]
+            out = target.forward(seq.tokens, layer_ids=layer_ids, logits_at=rows)
             seq.aux_hidden = out.aux_hidden.to(torch.bfloat16)
+            if with_labels:
+                seq.labels = seq.tokens.clone()
+                seq.labels[rows + 1] = out.logits.argmax(dim=-1)
             bar.update(seq.num_tokens)
 
 
@@ -51,6 +64,12 @@ def save_sequences(path: Path, sequences: list[TrainSequence], layer_ids: tuple[
     }
     if all(s.aux_hidden is not None for s in sequences):
         tensors["aux_hidden"] = torch.cat([s.aux_hidden for s in sequences]).contiguous()
+    num_labelled = sum(s.labels is not None for s in sequences)
+    if num_labelled not in (0, len(sequences)):
+        raise ValueError(f"{path}: {num_labelled} of {len(sequences)} sequences have labels; "
+                         "save labelled (text) and unlabelled (rollout) sequences to separate files")
+    if num_labelled:
+        tensors["labels"] = torch.cat([s.labels for s in sequences]).to(torch.int64)
     path.parent.mkdir(parents=True, exist_ok=True)
     atomic_write_bytes(path, save(tensors))
 
@@ -61,12 +80,13 @@ def load_sequences(path: Path, layer_ids: tuple[int, ...] | None = None) -> list
     stored = tuple(tensors["layer_ids"].tolist())
     if layer_ids is not None and "aux_hidden" in tensors and stored != tuple(layer_ids):
         raise ValueError(f"{path}: features are for layers {stored}, drafter wants {tuple(layer_ids)}")
-    offsets, aux = tensors["offsets"].tolist(), tensors.get("aux_hidden")
+    offsets, aux, labels = tensors["offsets"].tolist(), tensors.get("aux_hidden"), tensors.get("labels")
     return [
         TrainSequence(
             tokens=tensors["tokens"][lo:hi],
             prompt_len=int(pl),
             aux_hidden=None if aux is None else aux[lo:hi],
+            labels=None if labels is None else labels[lo:hi],
         )
         for lo, hi, pl in zip(offsets[:-1], offsets[1:], tensors["prompt_lens"].tolist())
     ]

@@ -1,9 +1,16 @@
-"""Supervised warm-up of a block drafter on target rollouts (DFlash-style).
+"""Supervised warm-up of a block drafter on target rollouts (DFlash-style)
+and on existing text with the target's greedy labels (teacher-forced).
 
 For random anchors a in the response, the drafter drafts positions
 a+1 .. a+K from context < a plus token a; the loss is cross-entropy against
 the target's own tokens, weighted per block position k (1-based) by
 exp(-(k-1)/decay), since early positions decide acceptance.
+
+On text, the target's own token at a+k is labels[a+k] (its greedy choice
+after text[:a+k]), which is what it would emit at block position k only if
+the block so far followed it: position k is supervised iff
+text[a+j] == labels[a+j] for all 1 <= j < k (k = 1 always). On a greedy
+rollout labels == tokens, so this is the plain loss above.
 """
 
 from __future__ import annotations
@@ -28,12 +35,26 @@ def sample_anchors(
     return (perm + low).sort().values
 
 
-def block_labels(tokens: torch.Tensor, anchors: torch.Tensor, block_size: int) -> torch.Tensor:
-    """[M, K] labels tokens[a+1+k], -100 past the end of the sequence."""
+def block_labels(
+    tokens: torch.Tensor,  # [T] int64
+    anchors: torch.Tensor,  # [M] int64
+    block_size: int,
+    greedy: torch.Tensor | None = None,  # [T] int64, the target's greedy token at each position
+) -> torch.Tensor:
+    """[M, K] labels: tokens[a+1+k] (greedy[a+1+k] when given, masked from the first block
+    position whose text token left the greedy path onwards), -100 past the end or masked."""
     idx = anchors[:, None] + 1 + torch.arange(block_size)[None, :]
     labels = torch.full(idx.shape, -100, dtype=torch.int64)
     valid = idx < tokens.shape[0]
-    labels[valid] = tokens[idx[valid]]
+    if greedy is None:
+        labels[valid] = tokens[idx[valid]]
+        return labels
+    safe = idx.clamp(max=tokens.shape[0] - 1)
+    agrees = (tokens[safe] == greedy[safe]) & valid
+    # supervised at k iff agrees at every j < k: a shifted cumulative product, column 0 always on
+    on_path = torch.cat([torch.ones_like(agrees[:, :1]), agrees[:, :-1]], dim=1).int().cumprod(dim=1).bool()
+    keep = valid & on_path
+    labels[keep] = greedy[idx[keep]]
     return labels
 
 
@@ -49,7 +70,7 @@ def sft_loss(
     K = drafter.cfg.block_size
     context = seq.aux_hidden[: int(anchors.max())]
     logits = drafter(context, anchors, seq.tokens[anchors], seq.tokens)  # [M, K, V]
-    labels = block_labels(seq.tokens, anchors, K)
+    labels = block_labels(seq.tokens, anchors, K, seq.labels)
     ce = F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), labels.reshape(-1),
                          ignore_index=-100, reduction="none").view_as(labels.float())
     weights = position_weights(K, decay)[None, :] * (labels != -100)
@@ -58,5 +79,7 @@ def sft_loss(
         hits = (logits.argmax(-1) == labels) & (labels != -100)
         # expected accepted length if verified greedily: leading run of hits
         run = hits.int().cumprod(dim=1).sum(dim=1).float()
+        supervised = (labels != -100).float().mean(dim=0)  # [K] share of anchors supervised at k
     return loss, {"ce": float(loss.detach()), "top1_pos1": float(hits[:, 0].float().mean()),
-                  "accept_len": float(run.mean()) if len(run) else math.nan}
+                  "accept_len": float(run.mean()) if len(run) else math.nan,
+                  **{f"supervised_pos{k + 1}": float(share) for k, share in enumerate(supervised)}}
