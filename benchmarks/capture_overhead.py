@@ -27,7 +27,6 @@ One JSON object on stdout (also written to --out); logs on stderr.
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import statistics
 import sys
@@ -36,7 +35,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from serve.launcher import ROOT, ServerProcess
+from serve.launcher import ROOT, ServerProcess, emit_result
 from serve.loadgen import LoadConfig, run_load
 
 logger = logging.getLogger("capture_overhead")
@@ -172,11 +171,7 @@ def main() -> None:
         "rounds_detail": rounds,
         "note": "each mode runs in its own server process; shared 2-core machine, expect noise of a few %",
     }
-    text = json.dumps(result, indent=2)
-    if args.out is not None:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(text + "\n")
-    print(text, flush=True)
+    emit_result(result, args.out)
 
 
 if __name__ == "__main__":

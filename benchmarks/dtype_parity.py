@@ -18,7 +18,6 @@ rollout prompt `--repeats` times). Per dtype:
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import sys
 import tempfile
@@ -28,7 +27,7 @@ from typing import Any
 
 import torch
 
-from serve.launcher import ROOT, ServerProcess, tau
+from serve.launcher import ROOT, ServerProcess, emit_result, tau
 
 logger = logging.getLogger("dtype_parity")
 CONFIG = ROOT / "configs" / "test-serve.yaml"
@@ -128,11 +127,7 @@ def main() -> None:
                              "plain_identical_to_float32_rollouts": sum(p == e for p, e in zip(plain, expected)),
                              "records": len(records), "served": served, **block_parity(records, args.run_dir)}
             logger.info("%s: %s", dtype, result[dtype])
-    text = json.dumps(result, indent=2)
-    if args.out is not None:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(text + "\n")
-    print(text, flush=True)
+    emit_result(result, args.out)
 
 
 if __name__ == "__main__":

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import itertools
-import json
 import logging
 import sys
 import tempfile
@@ -32,7 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from serve.cpu_runtime import cpu_runtime_env
-from serve.launcher import ROOT, PlainVllmServer
+from serve.launcher import ROOT, PlainVllmServer, emit_result
 from serve.loadgen import LoadConfig, run_load
 
 logger = logging.getLogger("plain_settings")
@@ -100,11 +99,7 @@ def main() -> None:
               "max_num_seqs": args.max_num_seqs, "prompts": "sharegpt held_out, temperature 0, ignore_eos",
               "first_variant": variants[0]["name"], "fastest_by_concurrency": best, "variants": variants,
               "note": "one server per variant, run one after another on a shared 2-core machine"}
-    text = json.dumps(result, indent=2)
-    if args.out is not None:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(text + "\n")
-    print(text, flush=True)
+    emit_result(result, args.out)
 
 
 if __name__ == "__main__":

@@ -46,7 +46,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import logging
 import statistics
 import sys
@@ -59,7 +58,7 @@ from typing import Any
 import httpx
 
 from online_opd.data import Prompt
-from serve.launcher import ROOT, ServerProcess
+from serve.launcher import ROOT, ServerProcess, emit_result
 from serve.loadgen import select_prompts
 
 logger = logging.getLogger("reload_latency")
@@ -331,11 +330,7 @@ def main() -> None:
         finally:
             server.stop()
     result = summarize(raw, args)
-    text = json.dumps(result, indent=2)
-    if args.out is not None:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(text + "\n")
-    print(text, flush=True)
+    emit_result(result, args.out)
 
 
 if __name__ == "__main__":

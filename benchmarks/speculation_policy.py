@@ -44,7 +44,7 @@ from typing import Any
 
 from online_opd.speculation.costs import CostModel, StepCosts
 from online_opd.speculation.policy import break_even_taus
-from serve.launcher import ROOT, PlainVllmServer, ServerProcess, tau
+from serve.launcher import ROOT, PlainVllmServer, ServerProcess, emit_result, tau
 from serve.loadgen import LoadConfig, run_load
 
 logger = logging.getLogger("speculation_policy")
@@ -209,11 +209,7 @@ def main() -> None:
         "rounds_detail": rounds,
         "note": "each mode in its own server process; shared 2-core machine, expect noise of a few %",
     }
-    text = json.dumps(result, indent=2)
-    if args.out is not None:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(text + "\n")
-    print(text, flush=True)
+    emit_result(result, args.out)
 
 
 if __name__ == "__main__":

@@ -7,6 +7,7 @@ it with SIGTERM (vLLM's graceful shutdown), SIGKILL only after a timeout.
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import socket
@@ -110,6 +111,15 @@ class PlainVllmServer(ServerProcess):
         env.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
         self.proc = subprocess.Popen([sys.executable, "-c", code], cwd=ROOT, stdout=self.log,
                                      stderr=subprocess.STDOUT, env=env, start_new_session=True)
+
+
+def emit_result(result: dict, out: Path | None) -> None:
+    """A benchmark's JSON result on stdout, and also in `out` when given."""
+    text = json.dumps(result, indent=2)
+    if out is not None:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(text + "\n")
+    print(text, flush=True)
 
 
 def tau(before: dict[str, float], after: dict[str, float]) -> tuple[float, int]:
