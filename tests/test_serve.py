@@ -83,6 +83,17 @@ def wait_records(buffer: Path, count: int, timeout: float = 60) -> list:
         time.sleep(0.5)
 
 
+def records_since(buffer: Path, start: float, count: int, timeout: float = 60) -> list:
+    """The records of requests that finished after `start` (unix seconds), once `count` are written:
+    a previous test's last records can reach the buffer late (capture flushes every 0.5 s)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        records = [r for r in wait_records(buffer, 0, timeout=0) if r.captured_at >= start]
+        if len(records) >= count or time.monotonic() > deadline:
+            return records
+        time.sleep(0.5)
+
+
 def test_capture_fidelity_parity_and_lossless_output(server, rollouts, trained_run):
     c = client(server)
     # greedy and sampled requests interleaved, so they share speculative batches (vllm_patches.cpu_fixes)
@@ -308,12 +319,12 @@ def test_reload_gives_a_clean_version_boundary(server, rollouts, trained_run, tm
     old = httpx_status(server)
     c = client(server)
     for _ in range(3):
-        num_before = len(wait_records(server.buffer, 0, timeout=0))
+        start = time.time()
         assert complete(c, rollouts[0][0], temperature=0.0, stream=False) == rollouts[0][1]
         reply, at_reload, outputs = _streams_across_reload(server, c, rollouts, other_path)
         assert reply.status_code == 200 and reply.json()["version"] == "boundary", reply.text
         assert all(out[: len(expected)] == expected for out, (_, expected) in zip(outputs, rollouts))
-        records = wait_records(server.buffer, num_before + 1 + len(rollouts))[num_before:]
+        records = records_since(server.buffer, start, 1 + len(rollouts))
         assert len(records) == 1 + len(rollouts)
         server.admin("POST", "/reload", json={"path": str(trained_run / "drafter")})
         if all(16 <= n < _STREAM_TOKENS for n in at_reload):
