@@ -15,7 +15,9 @@ then runs ``vllm serve`` in this process with:
   ``num_speculative_tokens`` at every step; ``never`` serves without a drafter;
 - ``VLLM_PLUGINS`` naming the capture plugin and the endpoint plugin (admin
   reload route, ``online_opd_*`` series on ``/metrics``);
-- ``ONLINE_OPD_CAPTURE`` / ``ONLINE_OPD_SERVE``: JSON settings for them.
+- ``ONLINE_OPD_CAPTURE`` / ``ONLINE_OPD_SERVE``: JSON settings for them;
+- ``VLLM_USE_V2_MODEL_RUNNER=0``: the hooks need vLLM's V1 model runner; a user's
+  ``=1`` is refused before vLLM starts (vllm_patches/model_runner.py).
 
 Flags that online-opd does not know are passed to ``vllm serve`` unchanged and
 come last, so they win (``online-opd serve --port 9000 --max-num-seqs 64``).
@@ -150,6 +152,7 @@ def serve_env(cfg: OnlineOPDConfig, target: Path, drafter: Path, *, capture: boo
     from vllm_patches import CAPTURE_ENV, SPECULATION_ENV
     from vllm_patches.capture import CaptureSettings
     from vllm_patches.endpoint import SERVE_ENV, EndpointSettings
+    from vllm_patches.model_runner import v1_runner_env
     from vllm_patches.speculation import SpeculationSettings
     from vllm_patches.speculation_loop import PolicySettings
 
@@ -158,6 +161,7 @@ def serve_env(cfg: OnlineOPDConfig, target: Path, drafter: Path, *, capture: boo
     env["VLLM_PLUGINS"] = ",".join(dict.fromkeys(existing + list(PLUGIN_NAMES)))
     env["VLLM_CPU_KVCACHE_SPACE"] = os.environ.get("VLLM_CPU_KVCACHE_SPACE", "2")
     env.update(runtime_env_for(cfg.cpu.openmp, cfg.cpu.reserved_cores))
+    env.update(v1_runner_env(os.environ))  # capture and reload hook the V1 model runner
     sc = cfg.serve
     env[SERVE_ENV] = EndpointSettings(
         admin_token_env=sc.admin_token_env, stats_poll_s=sc.stats_poll_s,
@@ -216,8 +220,10 @@ def serve(cfg: OnlineOPDConfig, *, drafter: Path | None = None, capture: bool = 
     """Run the server in this process until it is stopped (SIGINT/SIGTERM: vLLM shuts down)."""
     from serve.pipeline import resolve_target
     from vllm_patches import check_vllm_version
+    from vllm_patches.model_runner import v1_runner_env
 
     version = check_vllm_version()
+    v1_runner_env(os.environ)  # refuse VLLM_USE_V2_MODEL_RUNNER=1 before any set-up work
     target = resolve_target(cfg, progress=progress)
     drafter_path = resolve_drafter(cfg, target, drafter, progress=progress)
     argv = vllm_argv(cfg, target, drafter_path, passthrough or [])

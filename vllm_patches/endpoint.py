@@ -404,4 +404,7 @@ class OnlineOPDEndpoints:
     async def init_state(self, engine_client, state, args: Namespace) -> None:
         if engine_client is None:
             return
+        from vllm_patches.model_runner import check_v1_runner
+
+        check_v1_runner(engine_client.vllm_config)  # stops the server: the hooks need the V1 runner
         state.online_opd = OnlineOPDService(engine_client, self.settings)
