@@ -89,6 +89,53 @@ class TrainerActor:
         return self.stats()
 
 
+RAY_AUTH_MODE_ENV = "RAY_AUTH_MODE"
+
+
+def join_auth_env(address: str | None, environ: dict[str, str] | os._Environ, home: Path) -> dict[str, str]:
+    """The environment entry that lets ``ray.init(address=...)`` join a cluster with token auth on.
+
+    Ray 2.60 turns token authentication on by default for clusters it starts (``ray start --head``
+    writes the token to ``~/.ray/auth_token``), but a client turns it on by itself only for
+    ``address`` None or "auto": with an explicit ``host:port`` the GCS refuses it ("Authentication
+    token is missing or incorrect"). Where the user has not chosen (``RAY_AUTH_MODE`` unset) and a
+    token is available where Ray looks for one (``RAY_AUTH_TOKEN``, ``RAY_AUTH_TOKEN_PATH``,
+    ``~/.ray/auth_token``), this returns ``{"RAY_AUTH_MODE": "token"}``, what "auto" would do; a
+    cluster with authentication disabled accepts such a client too. Otherwise nothing.
+    """
+    if address in (None, "auto") or environ.get(RAY_AUTH_MODE_ENV) is not None:
+        return {}
+    path = environ.get("RAY_AUTH_TOKEN_PATH")
+    has_token = bool(environ.get("RAY_AUTH_TOKEN")) or (
+        Path(path).is_file() if path else (home / ".ray" / "auth_token").is_file())
+    return {RAY_AUTH_MODE_ENV: "token"} if has_token else {}
+
+
+def init_ray(ocfg) -> None:
+    """Join ``online.ray_address`` (with token authentication where a token is available), or start
+    a local Ray node sized to the trainer, not to the machine. Nothing when Ray is already up."""
+    if ray.is_initialized():
+        return
+    kwargs: dict[str, Any] = {}
+    if ocfg.ray_address is None:
+        kwargs = {"num_cpus": max(1, math.ceil(ocfg.num_cpus)), "num_gpus": math.ceil(ocfg.num_gpus),
+                  "object_store_memory": LOCAL_OBJECT_STORE_BYTES,
+                  "_system_config": {"gcs_rpc_server_reconnect_timeout_s": LOCAL_GCS_RECONNECT_S}}
+    else:
+        auth = join_auth_env(ocfg.ray_address, os.environ, Path.home())
+        if auth:
+            logger.info("joining Ray at %s with token authentication (the token `ray start` saved)",
+                        ocfg.ray_address)
+            os.environ.update(auth)
+            # ray reads RAY_AUTH_MODE into its cached config at import: re-read it, as ray's own
+            # "auto" path does (authentication_token_setup._enable_token_auth)
+            from ray._raylet import Config
+
+            Config.initialize("")
+    ray.init(address=ocfg.ray_address, ignore_reinit_error=True, include_dashboard=False,
+             logging_level=logging.WARNING, **kwargs)
+
+
 def start_trainer(cfg: OnlineOPDConfig, *, target_path: Path, buffer_dir: Path, registry_dir: Path,
                   state_dir: Path, name: str = ACTOR_NAME):
     """Create the trainer actor (starting a local Ray, or joining ``online.ray_address``, if needed).
@@ -97,14 +144,7 @@ def start_trainer(cfg: OnlineOPDConfig, *, target_path: Path, buffer_dir: Path, 
     A failure to start shows up as ``trainer_stats`` returning None.
     """
     ocfg = cfg.online
-    if not ray.is_initialized():
-        kwargs: dict[str, Any] = {}
-        if ocfg.ray_address is None:  # a local node sized to the trainer, not to the machine
-            kwargs = {"num_cpus": max(1, math.ceil(ocfg.num_cpus)), "num_gpus": math.ceil(ocfg.num_gpus),
-                      "object_store_memory": LOCAL_OBJECT_STORE_BYTES,
-                      "_system_config": {"gcs_rpc_server_reconnect_timeout_s": LOCAL_GCS_RECONNECT_S}}
-        ray.init(address=ocfg.ray_address, ignore_reinit_error=True, include_dashboard=False,
-                 logging_level=logging.WARNING, **kwargs)
+    init_ray(ocfg)
     actor_cls = ray.remote(num_cpus=ocfg.num_cpus, num_gpus=ocfg.num_gpus, max_restarts=ocfg.max_restarts,
                            max_task_retries=ocfg.max_restarts, max_concurrency=4)(TrainerActor)
     handle = actor_cls.options(name=name).remote(
