@@ -44,6 +44,7 @@ from typing import Any
 
 from online_opd.speculation.costs import CostModel, StepCosts
 from online_opd.speculation.policy import break_even_taus
+from serve.engine import ngram_speculative_config
 from serve.launcher import ROOT, PlainVllmServer, ServerProcess, emit_result, tau
 from serve.loadgen import LoadConfig, run_load
 
@@ -53,7 +54,7 @@ TOKEN = "speculation-policy-bench"
 TARGET_RATIO = 0.95
 CONCURRENCIES = (1, 8, 32)
 # vLLM's built-in prompt-lookup speculation: the baseline a user gets without training
-NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 4}
+NGRAM = ngram_speculative_config(4)
 
 
 def make_fresh_drafter(cfg_path: Path, out: Path) -> tuple[Path, Path]:

@@ -211,6 +211,8 @@ class EvalConfig(_Strict):
     temperature: float = Field(0.0, ge=0, description="Sampling temperature; 0 = greedy.")
     baseline: bool = Field(
         True, description="Also measure tokens/s without speculative decoding in the same run.")
+    ngram: bool = Field(
+        True, description="Also measure vLLM's ngram speculation (prompt lookup, no training) on the same prompts.")
     num_speculative_tokens: int | None = Field(
         None, ge=1, description="Draft tokens per step in `online-opd eval`; null = the drafter's block size.")
     max_num_seqs: list[int] = Field(

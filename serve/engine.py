@@ -23,6 +23,13 @@ SPEC_COUNTERS = {
 }
 
 
+def ngram_speculative_config(num_speculative_tokens: int = 4) -> dict[str, Any]:
+    """vLLM's built-in prompt-lookup speculation (no drafter, no training): the baseline every
+    speed benchmark reports beside the learned drafter. Lookup 2-4 tokens, as measured in the README."""
+    return {"method": "ngram", "num_speculative_tokens": num_speculative_tokens,
+            "prompt_lookup_min": 2, "prompt_lookup_max": 4}
+
+
 @dataclass
 class Generation:
     prompt_ids: list[int]
@@ -66,8 +73,10 @@ def make_llm(
     num_speculative_tokens: int | None = None,
     method: str = "dflash",
     runtime_env: dict[str, str] | None = None,
+    speculative_config: dict[str, Any] | None = None,
 ):
-    """A vLLM `LLM` for `target`, with speculative decoding when `drafter` is given. `runtime_env`
+    """A vLLM `LLM` for `target`, with speculative decoding when `drafter` is given (or with
+    `speculative_config` as is, e.g. ``ngram_speculative_config()``). `runtime_env`
     (serve/cpu_runtime.py) goes into this process's environment before vLLM spawns its engine."""
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
     os.environ.update(runtime_env or {})
@@ -75,7 +84,9 @@ def make_llm(
 
     kwargs: dict[str, Any] = {"enforce_eager": True, "disable_log_stats": False}
     kwargs.update(engine_kwargs or {})
-    if drafter is not None:
+    if speculative_config is not None:
+        kwargs["speculative_config"] = dict(speculative_config)
+    elif drafter is not None:
         kwargs["speculative_config"] = {
             "method": method,
             "model": str(drafter),

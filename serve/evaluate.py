@@ -1,8 +1,9 @@
 """`online-opd eval`: a drafter's served acceptance and speed on vLLM.
 
-One engine without speculative decoding and one with the drafter, in the
-same process, on the same prompts, at each configured concurrency (prompts
-are submitted in groups of that size). Acceptance length comes from vLLM's
+One engine without speculative decoding, one with the drafter and one with
+vLLM's built-in ngram speculation (the baseline that needs no training), in
+the same process, on the same prompts, at each configured concurrency
+(prompts are submitted in groups of that size). Acceptance length comes from vLLM's
 own counters: tau = 1 + accepted / drafts. At temperature 0 the outputs of
 the two engines are also compared token for token (lossless check).
 """
@@ -40,8 +41,25 @@ def _run_levels(llm, prompt_ids, cfg: OnlineOPDConfig, progress: bool) -> tuple[
     return figures, first_outputs
 
 
+def _measure(cfg: OnlineOPDConfig, target: Path, prompt_ids, progress: bool, **llm_kwargs) -> tuple[dict, list, dict]:
+    """One engine (`llm_kwargs` choose the speculation) over every concurrency level: figures,
+    the first level's outputs and the acceptance from vLLM's counters."""
+    engine_kwargs = {**cfg.engine, "max_num_seqs": max(cfg.eval.max_num_seqs)}
+    llm = engine.make_llm(target, dtype=cfg.model.serving_dtype(), max_model_len=cfg.model.max_model_len,
+                          engine_kwargs=engine_kwargs,
+                          runtime_env=runtime_env_for(cfg.cpu.openmp, cfg.cpu.reserved_cores), **llm_kwargs)
+    try:
+        before = engine.spec_counters(llm)
+        figures, outputs = _run_levels(llm, prompt_ids, cfg, progress)
+        counters = engine.spec_counters(llm) - before
+    finally:
+        engine.shutdown(llm)
+    return figures, outputs, _acceptance(counters)
+
+
 def evaluate(cfg: OnlineOPDConfig, drafter: Path, *, progress: bool = True) -> dict:
-    """Served tau and tokens/s of `drafter`, with a no-speculation baseline."""
+    """Served tau and tokens/s of `drafter`, with a no-speculation baseline and vLLM's ngram
+    speculation on the same prompts (`eval.baseline`, `eval.ngram`)."""
     from online_opd.models.drafters.checkpoint import read_manifest, verify_checkpoint
     from online_opd.models.drafters.registry import block_size_for_config, method_for_config
 
@@ -54,38 +72,33 @@ def evaluate(cfg: OnlineOPDConfig, drafter: Path, *, progress: bool = True) -> d
                            held_out_fraction=cfg.data.held_out_fraction, seed=cfg.data.seed)
     prompt_ids = engine.chat_prompt_ids(load_tokenizer(target), [p.messages for p in prompts])
     prompt_ids = [p for p in prompt_ids if len(p) + cfg.eval.max_tokens <= cfg.model.max_model_len]
-    engine_kwargs = {**cfg.engine, "max_num_seqs": max(cfg.eval.max_num_seqs)}
     result = {"drafter": str(drafter), "version": read_manifest(drafter).get("version"),
               "method": method, "num_speculative_tokens": num_spec, "num_prompts": len(prompt_ids),
               "max_tokens": cfg.eval.max_tokens, "temperature": cfg.eval.temperature}
     baseline_outputs = None
     if cfg.eval.baseline:
-        llm = engine.make_llm(target, dtype=cfg.model.serving_dtype(), max_model_len=cfg.model.max_model_len,
-                              engine_kwargs=engine_kwargs,
-                              runtime_env=runtime_env_for(cfg.cpu.openmp, cfg.cpu.reserved_cores))
-        try:
-            result["baseline"], baseline_outputs = _run_levels(llm, prompt_ids, cfg, progress)
-        finally:
-            engine.shutdown(llm)
-    llm = engine.make_llm(target, dtype=cfg.model.serving_dtype(), max_model_len=cfg.model.max_model_len,
-                          engine_kwargs=engine_kwargs, drafter=drafter,
-                          runtime_env=runtime_env_for(cfg.cpu.openmp, cfg.cpu.reserved_cores),
-                          num_speculative_tokens=num_spec, method=method)
-    try:
-        before = engine.spec_counters(llm)
-        result["speculative"], spec_outputs = _run_levels(llm, prompt_ids, cfg, progress)
-        counters = engine.spec_counters(llm) - before
-    finally:
-        engine.shutdown(llm)
-    result.update(_acceptance(counters))
+        result["baseline"], baseline_outputs, _ = _measure(cfg, target, prompt_ids, progress)
+    result["speculative"], spec_outputs, acceptance = _measure(
+        cfg, target, prompt_ids, progress, drafter=drafter, num_speculative_tokens=num_spec, method=method)
+    result.update(acceptance)
+    if cfg.eval.ngram:
+        ngram = engine.ngram_speculative_config(num_spec)
+        figures, ngram_outputs, ngram_acceptance = _measure(cfg, target, prompt_ids, progress,
+                                                            speculative_config=ngram)
+        result["ngram"] = {"speculative_config": ngram, **figures, **ngram_acceptance}
     if baseline_outputs is not None:
-        result["speedup"] = {
-            level: round(result["speculative"][level]["tokens_per_s"] / fig["tokens_per_s"], 3)
-            for level, fig in result["baseline"].items()}
+        result["speedup"] = _ratios(result["speculative"], result["baseline"])
+        if cfg.eval.ngram:
+            result["ngram"]["speedup"] = _ratios(figures, result["baseline"])
         if cfg.eval.temperature == 0:
             same = sum(a.output_ids == b.output_ids for a, b in zip(baseline_outputs, spec_outputs))
             result["identical_outputs"] = f"{same}/{len(spec_outputs)}"
     return result
+
+
+def _ratios(figures: dict, baseline: dict) -> dict:
+    return {level: round(figures[level]["tokens_per_s"] / fig["tokens_per_s"], 3)
+            for level, fig in baseline.items()}
 
 
 def _acceptance(c: engine.SpecCounters) -> dict:
