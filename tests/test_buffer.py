@@ -70,6 +70,7 @@ def test_round_trip_gives_back_equal_records(tmp_path):
     plain = make_record(3, blocks=((4, 2), (2, 1)))  # a 2-token block with num_plain_steps set round-trips
     records.append(dataclasses.replace(plain, blocks=(plain.blocks[0],
                                                       dataclasses.replace(plain.blocks[1], num_plain_steps=3))))
+    records[0] = dataclasses.replace(records[0], replica="node_a_4242")  # the capturing replica's writer id
     path = SegmentWriter(tmp_path, writer_id="w").write(records)
     info = BufferReader(tmp_path).segments()[0]
     assert info.path == path and BufferReader(tmp_path).read_segment(info) == records
@@ -80,12 +81,15 @@ def test_round_trip_gives_back_equal_records(tmp_path):
 
 
 def test_segments_written_before_block_versions_still_read(tmp_path):
-    """A segment whose block struct lacks drafter_version / is_context_pure reads them as the defaults."""
+    """A segment whose block struct lacks drafter_version / is_context_pure, and that has no replica
+    column, reads them as the defaults."""
     record = make_record(0, blocks=((4, 2), (4, 4)))
     old_block = pa.struct([("anchor", pa.int32()), ("draft_tokens", pa.list_(pa.int32())),
                            ("num_accepted", pa.int16())])
-    fields = [pa.field("blocks", pa.list_(old_block)) if f.name == "blocks" else f for f in SEGMENT_SCHEMA]
+    fields = [pa.field("blocks", pa.list_(old_block)) if f.name == "blocks" else f for f in SEGMENT_SCHEMA
+              if f.name != "replica"]
     row = record.to_dict()
+    del row["replica"]
     row["blocks"] = [{k: b[k] for k in ("anchor", "draft_tokens", "num_accepted")} for b in row["blocks"]]
     row["events"] = json.dumps(row["events"])
     sink = pa.BufferOutputStream()
@@ -284,14 +288,15 @@ def test_stats_figures_on_hand_made_records(tmp_path):
     writer = SegmentWriter(tmp_path, writer_id="w")
     writer.write([make_record(0, "v1", ((4, 2), (4, 4)), captured_at=100.0),
                   make_record(1, "v1", ((4, 0),), captured_at=100.0)])
-    writer.write([make_record(2, "v2", ((3, 1),), captured_at=100.0),
-                  make_record(3, "v3", (), captured_at=100.0)])
+    writer.write([dataclasses.replace(make_record(2, "v2", ((3, 1),), captured_at=100.0), replica="b_2"),
+                  dataclasses.replace(make_record(3, "v3", (), captured_at=100.0), replica="a_1")])
     bad = writer.write([make_record(4, captured_at=100.0)])
     bad.write_bytes(b"torn")
     stats = BufferReader(tmp_path).stats()
     assert (stats["segments"], stats["records"], stats["corrupt_segments"]) == (3, 4, 1)
     assert stats["bytes"] == sum(p.stat().st_size for p in tmp_path.iterdir())
     assert (stats["oldest_captured_at"], stats["newest_captured_at"]) == (100.0, 103.0)
+    assert stats["records_per_replica"] == {"a_1": 1, "b_2": 1, "unknown": 2}
     versions = stats["drafter_versions"]
     assert versions["v1"] == {"records": 2, "blocks": 3, "drafted_tokens": 12, "accepted_tokens": 6,
                               "tau": 3.0, "acceptance_rate": 0.5}

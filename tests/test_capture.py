@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 import torch
 
-from online_opd.traces.buffer import BufferReader
+from online_opd.traces.buffer import BufferReader, default_writer_id
 from online_opd.traces.records import check_fidelity
 from vllm_patches.capture import Capture, CaptureSettings
 
@@ -104,6 +104,8 @@ def test_preempted_request_yields_a_valid_record(tmp_path, is_async):
     worker.step(r=0)  # block at anchor 11
     worker.finish()
     [record] = records(cap, tmp_path)
+    [segment] = BufferReader(tmp_path).segments()
+    assert record.replica == segment.writer_id == default_writer_id()  # host and pid of the capturing process
     assert [(b.anchor, b.num_accepted) for b in record.blocks] == [(5, 1), (7, 2), (11, 0)]
     assert record.events == ({"anchor_before": 7, "kind": "preemption"},)
     assert record.tokens == tuple(PROMPT) + tuple(token(i) for i in range(5, 13))

@@ -309,7 +309,8 @@ class Capture:
             record_id=uuid.uuid4().hex, model_id=self.settings.model_id,
             drafter_version=blocks[0].drafter_version if blocks else t.version,
             temperature=t.temperature, top_p=t.top_p, top_k=t.top_k, tokens=tuple(tokens),
-            prompt_len=len(t.prompt), blocks=blocks, events=tuple(t.events), captured_at=time.time())
+            prompt_len=len(t.prompt), blocks=blocks, events=tuple(t.events), captured_at=time.time(),
+            replica=self._get_writer().writer_id)
         if self._get_writer().submit(record):
             self.counters["captured"] += 1
             self.counters["blocks"] += len(blocks)

@@ -76,7 +76,9 @@ SEGMENT_SCHEMA = pa.schema([
     ]))),
     ("events", pa.string()),  # JSON list: events are free-form dicts
     ("captured_at", pa.float64()),
+    ("replica", pa.string()),  # absent in older segments: read as "" (unknown)
 ])
+_OPTIONAL_COLUMNS = frozenset({"replica"})
 
 _SEGMENT_RE = re.compile(r"^seg-(\d{13})-([A-Za-z0-9_]{1,32})-(\d{6})-([0-9a-f]{32})\.parquet$")
 _STALE_TMP_S = 3600.0  # a .tmp this old belongs to a writer that died mid-write
@@ -142,6 +144,7 @@ def encode_segment(records: Iterable[SequenceRecord]) -> bytes:
         "blocks": [[b.to_dict() for b in r.blocks] for r in records],
         "events": [json.dumps([dict(e) for e in r.events]) for r in records],
         "captured_at": [r.captured_at for r in records],
+        "replica": [r.replica for r in records],
     }
     table = pa.Table.from_pydict(columns, schema=SEGMENT_SCHEMA)
     sink = io.BytesIO()
@@ -152,7 +155,7 @@ def encode_segment(records: Iterable[SequenceRecord]) -> bytes:
 def decode_segment(data: bytes) -> list[SequenceRecord]:
     """Records from Parquet bytes; ValueError (or an Arrow error) when they do not parse."""
     table = pq.read_table(pa.BufferReader(data))
-    missing = set(SEGMENT_SCHEMA.names) - set(table.column_names)
+    missing = set(SEGMENT_SCHEMA.names) - set(table.column_names) - _OPTIONAL_COLUMNS
     if missing:
         raise ValueError(f"missing columns {sorted(missing)}")
     records = []
@@ -356,7 +359,8 @@ class BufferReader:
         return out, cursor
 
     def stats(self) -> dict[str, Any]:
-        """Whole-buffer figures (reads every segment): sizes, capture times, acceptance per drafter.
+        """Whole-buffer figures (reads every segment): sizes, capture times, acceptance per drafter,
+        records per capturing replica ("unknown" for records written before records named it).
 
         ``tau`` is the mean accepted length per block, counting the target's own
         token: ``1 + accepted / blocks``. Each version counts the pure blocks it
@@ -365,10 +369,11 @@ class BufferReader:
         infos = self.segments()
         per_version: dict[str, dict[str, Any]] = {}
         records, mixed_blocks = 0, 0
-        captured = []
+        captured, per_replica = [], {}
         for _, recs in self.iter_segments(None):
             for rec in recs:
                 records += 1
+                per_replica[rec.replica or "unknown"] = per_replica.get(rec.replica or "unknown", 0) + 1
                 if rec.captured_at > 0:
                     captured.append(rec.captured_at)
                 by_version = pure_blocks_by_version(rec) or {rec.drafter_version: []}
@@ -393,4 +398,5 @@ class BufferReader:
             "newest_captured_at": max(captured) if captured else None,
             "drafter_versions": dict(sorted(per_version.items())),
             "mixed_blocks": mixed_blocks,
+            "records_per_replica": dict(sorted(per_replica.items())),
         }

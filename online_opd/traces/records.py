@@ -109,6 +109,7 @@ class SequenceRecord:
     blocks: tuple[BlockRecord, ...]  # in drafting order
     events: tuple[dict, ...] = ()  # chain breaks, see the module docstring
     captured_at: float = 0.0  # unix seconds when the request finished (0 = unknown)
+    replica: str = ""  # the serving replica that captured it: its buffer writer id ("" = unknown, older records)
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -123,6 +124,7 @@ class SequenceRecord:
             "blocks": [b.to_dict() for b in self.blocks],
             "events": [dict(e) for e in self.events],
             "captured_at": self.captured_at,
+            "replica": self.replica,
         }
 
     @classmethod
@@ -144,6 +146,7 @@ class SequenceRecord:
             blocks=tuple(BlockRecord.from_dict(b, f"record.blocks[{i}]") for i, b in enumerate(blocks)),
             events=_events(data.get("events", ())),
             captured_at=_optional_float(data, "captured_at"),
+            replica=_optional_str(data, "replica"),
         )
 
 
@@ -219,6 +222,10 @@ def _float_field(data: dict, name: str) -> float:
 
 def _optional_float(data: dict, name: str) -> float:
     return _float_field(data, name) if name in data else 0.0
+
+
+def _optional_str(data: dict, name: str) -> str:
+    return "" if data.get(name) is None else _str_field(data, name)
 
 
 def _token_tuple(data: dict, name: str, where: str) -> tuple[int, ...]:

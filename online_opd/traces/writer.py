@@ -67,6 +67,11 @@ class BufferWriter:
         if start:
             self._thread.start()
 
+    @property
+    def writer_id(self) -> str:
+        """The id in this writer's segment names (one per serving replica process)."""
+        return self.segment_writer.writer_id
+
     def start(self) -> None:
         """Start the writer thread (for ``start=False``: e.g. construct before a fork)."""
         if not self._thread.is_alive() and self._thread.ident is None:
