@@ -91,9 +91,14 @@ def evaluate(cfg: OnlineOPDConfig, drafter: Path, *, progress: bool = True) -> d
         if cfg.eval.ngram:
             result["ngram"]["speedup"] = _ratios(figures, result["baseline"])
         if cfg.eval.temperature == 0:
-            same = sum(a.output_ids == b.output_ids for a, b in zip(baseline_outputs, spec_outputs))
-            result["identical_outputs"] = f"{same}/{len(spec_outputs)}"
+            result["identical_outputs"] = _num_identical(baseline_outputs, spec_outputs)
+            if cfg.eval.ngram:
+                result["ngram"]["identical_outputs"] = _num_identical(baseline_outputs, ngram_outputs)
     return result
+
+
+def _num_identical(baseline: list, outputs: list) -> str:
+    return f"{sum(a.output_ids == b.output_ids for a, b in zip(baseline, outputs))}/{len(outputs)}"
 
 
 def _ratios(figures: dict, baseline: dict) -> dict:

@@ -122,3 +122,10 @@ def test_offline_pipeline_end_to_end(tmp_path):
     assert result["speculative"]["concurrency_4"]["output_tokens"] == \
         result["baseline"]["concurrency_4"]["output_tokens"]
     assert set(result["speedup"]) == {"concurrency_4"}
+    ngram = result["ngram"]  # vLLM's prompt-lookup speculation, same prompts, same block size
+    assert ngram["speculative_config"]["method"] == "ngram" and ngram["speculative_config"]["num_speculative_tokens"] == 4
+    drafts = ngram["num_drafts"]  # 0 when no prompt n-gram ever matched: then tau is 1
+    assert ngram["acceptance_length"] == (round(1 + ngram["num_accepted_tokens"] / drafts, 4) if drafts else 1.0)
+    assert ngram["identical_outputs"] == result["identical_outputs"]  # lossless at T=0
+    assert ngram["concurrency_4"]["output_tokens"] == result["baseline"]["concurrency_4"]["output_tokens"]
+    assert set(ngram["speedup"]) == {"concurrency_4"}
