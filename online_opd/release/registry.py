@@ -21,15 +21,8 @@ Safe over time:
 - `rollback(reason, expected_current=v)` is a compare-and-swap: it refuses (`CurrentMovedError`,
   nothing changed) when CURRENT is no longer `v`, so a live check of `v` never rolls back a version
   promoted while it ran.
-- `check()` (run at `online-opd serve` start-up, by the server's reloader when CURRENT cannot be read, and
-  by `online-opd drafters check`) repairs a CURRENT naming a missing, bad or corrupt version, e.g. after a
-  crash between a rollback's mark-bad and its pointer write, or a CURRENT that is not a JSON pointer at all:
-  CURRENT moves to the newest version that was made current and is still good, logged and recorded as a
-  `repair` event.
-- Retention (`keep_unpromoted`, `serve.registry_keep_unpromoted`): after each publish, versions that
-  were never made current (candidates, rejected ones, bad ones never served) beyond the newest
-  `keep_unpromoted` are deleted (`prune` event). Every version ever made current is kept: it is CURRENT,
-  a rollback target or a record of what served. `reserved/` keeps their names, so none is reused.
+- `check()` (the start-up repair of CURRENT) and retention (`keep_unpromoted`, `prune()` after each
+  publish): online_opd/release/maintenance.py.
 
 Pure stdlib plus the checkpoint module: no vllm, no ray.
 """
@@ -51,14 +44,7 @@ from typing import Any
 
 from torch import nn
 
-from online_opd.files import (
-    OLD_SUFFIX,
-    atomic_folder,
-    atomic_write_json,
-    fsync_path,
-    sha256_file,
-    temp_sibling,
-)
+from online_opd.files import atomic_folder, atomic_write_json, sha256_file
 from online_opd.models.drafters.checkpoint import (
     CONFIG_FILE,
     MANIFEST_FILE,
@@ -76,7 +62,7 @@ CURRENT_FILE = "CURRENT"
 HISTORY_FILE = "history.jsonl"
 LOCK_FILE = ".lock"
 STATUSES = ("candidate", "promoted", "rejected", "bad")
-_MADE_CURRENT = ("promote", "rollback", "repair")  # history events that point CURRENT at their version
+MADE_CURRENT = ("promote", "rollback", "repair")  # history events that point CURRENT at their version
 _VERSION_RE = re.compile(r"^v(\d+)$")
 
 
@@ -264,7 +250,7 @@ class DrafterRegistry:
         seen, skipped = {exclude}, []
         for event in reversed(self.history()):
             version = event.get("version")
-            if event.get("event") not in _MADE_CURRENT or version in seen:
+            if event.get("event") not in MADE_CURRENT or version in seen:
                 continue
             seen.add(version)
             status = self._read_status(version)["status"]
@@ -316,70 +302,21 @@ class DrafterRegistry:
     # ---- upkeep -----------------------------------------------------------------------------------
 
     def check(self) -> dict | None:
-        """Repair a CURRENT naming a missing, bad or corrupt version, or unreadable itself (module docstring).
+        """Repair a CURRENT naming a missing, bad or corrupt version, or unreadable itself
+        (online_opd/release/maintenance.py).
 
         Returns ``{"from", "to", "problem"}`` after a repair, None when CURRENT is sound (or unset).
         Raises `RegistryError`, changing nothing, when no version that was made current is good.
         """
-        with self._locked():
-            try:
-                pointer = self._read_current()
-            except RegistryError as exc:  # not JSON, or no version in it: the newest good one made current
-                pointer, problem = {"version": None}, f"is unreadable ({exc})"
-            else:
-                if pointer is None:
-                    return None
-                problem = self._problem_serving(pointer["version"])
-                if problem is None:
-                    return None
-            version = pointer["version"]
-            target, skipped = self._previous_good(exclude=version)
-            if target is None:
-                raise RegistryError(
-                    f"CURRENT of {self.root} is {version}, which {problem}, and no version that was made "
-                    f"current is good (skipped: {skipped or 'none'}): promote one by hand with "
-                    "`online-opd drafters promote VERSION`")
-            self._write_current(target, f"repair: {version} {problem}")
-            self._log("repair", target, reason=problem, **{"from": version})
-        logger.warning("registry check: CURRENT was %s, which %s; repaired to %s", version, problem, target)
-        return {"from": version, "to": target, "problem": problem}
+        from online_opd.release import maintenance  # it imports this module
 
-    def _problem_serving(self, version: str) -> str | None:
-        """Why ``version`` must not be CURRENT (missing, bad, failing its hashes), or None."""
-        try:
-            self._verify(version, action="serve")
-        except RegistryError as exc:
-            return f"cannot be served ({exc})"
-        status = self._read_status(version)
-        return f"is marked bad ({status['reason']})" if status["status"] == "bad" else None
+        return maintenance.check(self)
 
     def prune(self) -> list[str]:
         """Retention: delete never-current versions beyond the newest ``keep_unpromoted``; returns them."""
-        if self.keep_unpromoted is None:
-            return []
-        with self._locked():
-            pointer = self._read_current()
-            kept = {e.get("version") for e in self.history() if e.get("event") in _MADE_CURRENT}
-            kept.add(pointer["version"] if pointer else None)
-            never_current = [info.version for info in self.list()
-                             if info.version not in kept and info.status != "promoted"]
-            doomed = never_current[:max(0, len(never_current) - self.keep_unpromoted)]
-            for version in doomed:
-                self._delete(version)
-        if doomed:
-            logger.info("registry retention: deleted %s (keeping the newest %d never-current versions)",
-                        ", ".join(doomed), self.keep_unpromoted)
-        return doomed
+        from online_opd.release import maintenance  # it imports this module
 
-    def _delete(self, version: str) -> None:
-        """Rename the folder aside (readers see it whole or not at all), then remove it; under the lock."""
-        aside = temp_sibling(self.path(version), OLD_SUFFIX)
-        os.replace(self.versions_dir / version, aside)
-        fsync_path(self.versions_dir)
-        shutil.rmtree(aside, ignore_errors=True)
-        with contextlib.suppress(FileNotFoundError):
-            os.remove(self.status_dir / f"{version}.json")
-        self._log("prune", version, reason=f"retention keeps the newest {self.keep_unpromoted} never-current")
+        return maintenance.prune(self)
 
     # ---- reading ----------------------------------------------------------------------------------
 

@@ -1,0 +1,190 @@
+"""Serving-side config sections: serve (the server, its admin surface, the speculation policy and the
+live check), capture, gate, online (the online trainer beside the server) and cpu (vLLM's CPU runtime).
+
+Re-exported by online_opd/config.py, which holds the root model and the loader; import them from there.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Literal
+
+from pydantic import Field, model_validator
+
+from online_opd.config_base import StrictModel
+
+__all__ = ["CaptureConfig", "ServeConfig", "GateConfig", "OnlineConfig", "CpuConfig"]
+
+
+class CaptureConfig(StrictModel):
+    """What the serving engine records into the trace buffer (vllm_patches/capture.py)."""
+
+    enabled: bool = Field(True, description="Capture verification outcomes of served requests.")
+    buffer_dir: Path = Field(Path("runs/serve/buffer"), description="Trace buffer folder (segment files).")
+    sample_rate: float = Field(
+        1.0, ge=0, le=1, description="Fraction of requests recorded (decided per request, at random).")
+    queue_size: int = Field(
+        4096, ge=1, description="Finished records waiting for the writer; beyond it records are dropped.")
+    flush_records: int = Field(256, ge=1, description="Records per segment file (at most).")
+    flush_interval_s: float = Field(5.0, gt=0, description="Seconds before a partial segment is written.")
+    max_bytes: int | None = Field(
+        2 * 1024**3, gt=0, description="Retention: oldest segments are deleted beyond this size.")
+    max_age_s: float | None = Field(
+        7 * 24 * 3600.0, gt=0, description="Retention: segments older than this are deleted.")
+
+
+class ServeConfig(StrictModel):
+    """`online-opd serve`: the OpenAI-compatible server and its admin surface."""
+
+    host: str = Field("127.0.0.1", description="Bind address (vLLM --host).")
+    port: int = Field(8000, ge=1, le=65535, description="Port (vLLM --port).")
+    num_speculative_tokens: int | None = Field(
+        None, ge=1, description="Draft tokens per step the server asks of the drafter (vLLM "
+                                "num_speculative_tokens); null = the drafter's block size.")
+    speculation: Literal["auto", "always", "never"] = Field(
+        "auto", description="auto: K per batch size from measured step costs and the drafter's acceptance, "
+                            "changed at runtime (online_opd/speculation/); always: num_speculative_tokens "
+                            "at every step; never: no speculative decoding (capture still records).")
+    policy_interval_s: float = Field(
+        10.0, gt=0, description="speculation auto: seconds between recomputations of the schedule (also "
+                                "recomputed after every drafter reload).")
+    policy_margin: float = Field(
+        0.05, ge=0, lt=1, description="speculation auto: a K replaces the serving one only with predicted "
+                                      "tokens/s more than this share higher (hysteresis).")
+    policy_min_drafts: int = Field(
+        32, ge=1, description="speculation auto: live blocks reaching a draft position before its measured "
+                              "acceptance is used (else the manifest's tau, else assumed not to pay).")
+    policy_explore_share: float = Field(
+        0.01, ge=0, le=0.5, description="speculation auto: share of engine steps run at K > 0 whatever the "
+                                        "schedule, so the cost and acceptance of speculating stay measured.")
+    policy_explore_steps: int = Field(
+        3, ge=2, description="speculation auto: steps per exploration burst (the first drafts only, the "
+                             "others verify and are timed).")
+    run_dir: Path = Field(Path("runs/serve"), description="Server state: registry, trainer state, logs.")
+    registry_dir: Path | None = Field(None, description="Drafter registry; null = <run_dir>/registry.")
+    admin_token_env: str = Field(
+        "ONLINE_OPD_ADMIN_TOKEN",
+        description="Env var holding the admin bearer token; the admin routes are off when it is unset.")
+    stats_poll_s: float = Field(
+        5.0, gt=0, description="Seconds between polls of the engine's capture/reload figures for /metrics.")
+    reload_poll_s: float = Field(5.0, gt=0, description="Seconds between checks of the registry's current.")
+    auto_reload: bool = Field(
+        True, description="Hot-load the registry's current version when it changes (the reloader).")
+    live_check_drafts: int = Field(
+        1000, ge=1, description="Drafts served by a new version (and by the old one before it) before the "
+                                "live check decides (online_opd/release/live_check.py).")
+    live_check_min_windows: int = Field(
+        20, ge=4, description="Status polls (stats_poll_s apart) those drafts must span on each side: the "
+                              "test's variance comes from the spread between polls.")
+    live_check_alpha: float = Field(
+        0.01, gt=0, lt=0.5, description="Live check's one-sided level: the most often a version no "
+                                        "worse than the previous one is rolled back.")
+    live_check_timeout_s: float = Field(
+        600.0, gt=0, description="Give up the live check (keep the version) if traffic is too thin.")
+    rollback_tolerance: float = Field(
+        0.02, ge=0, lt=1, description="Live check margin: roll back only when live tau is, with confidence, "
+                                      "below (1 - tolerance) x the previous version's.")
+    registry_keep_unpromoted: int | None = Field(
+        20, ge=1, description="Registry retention: the newest N never-current versions (candidates, rejected) "
+                              "are kept, with every version ever made current; older ones are deleted after "
+                              "each publish. null = keep every version.")
+
+    @property
+    def registry(self) -> Path:
+        return self.registry_dir or self.run_dir / "registry"
+
+
+class GateConfig(StrictModel):
+    """Promotion gate: a candidate drafter replaces the serving one only when its simulated
+    acceptance on held-out traffic is higher with confidence (online_opd/release/gate.py)."""
+
+    every_steps: int = Field(50, ge=1, description="Trainer steps between gate evaluations of the candidate.")
+    min_records: int = Field(
+        8, ge=2, description="Held-out records needed for a decision; fewer = not promoted.")
+    held_out_fraction: float = Field(
+        0.1, gt=0, lt=1, description="Share of captured records never trained on (by a hash of the first "
+                                     "`split_prefix_tokens` prompt tokens, online_opd/release/gate.py).")
+    split_prefix_tokens: int = Field(
+        64, ge=1, description="Prompt tokens hashed for the held-out split: siblings, repeats and the later "
+                              "turns of a conversation whose first prompt is at least this long share them. "
+                              "Must exceed any system prompt all requests share, or every record lands on "
+                              "one side.")
+    margin: float = Field(
+        0.0, description="Promote iff the lower confidence bound of the tau gain exceeds this (tau units).")
+    confidence: float = Field(0.9, gt=0.5, lt=1, description="One-sided confidence of that lower bound.")
+    max_blocks_per_record: int = Field(64, ge=1, description="Anchors simulated per held-out record (cap).")
+    max_records: int = Field(64, ge=1, description="Most recent held-out records evaluated, at most.")
+
+    @model_validator(mode="after")
+    def _can_pass(self) -> GateConfig:
+        if self.max_records < self.min_records:
+            raise ValueError(f"max_records={self.max_records} < min_records={self.min_records}: "
+                             "no evaluation could pass")
+        return self
+
+
+class OnlineConfig(StrictModel):
+    """Online trainer (online_opd/train/online.py, run as a Ray actor by serve/trainer_actor.py): tails
+    the trace buffer, replays recent records with the trainer section's objective, gates and publishes."""
+
+    enabled: bool = Field(True, description="Run the online trainer beside the server.")
+    window_records: int = Field(512, ge=1, description="Most recent train records that steps sample from.")
+    fresh_fraction: float = Field(
+        0.5, ge=0, le=1,
+        description="Replay ratio: share of a step's sequences taken from records not yet trained on "
+                    "(newest first); the rest are drawn uniformly from the window.")
+    min_records: int = Field(4, ge=1, description="Train records needed before the first step.")
+    simulate_below_coverage: float = Field(
+        0.5, ge=0, le=1,
+        description="A train record whose logged blocks produced less than this share of its output tokens "
+                    "(served mostly without speculation, or with blocks longer than the drafter's K) is "
+                    "replayed on the blocks the current drafter would have drafted over it "
+                    "(online_opd/opd/rollout.py simulated_record; one more target forward). 0 = never: "
+                    "such records train on their logged blocks only; 1 = whenever a decode step did not "
+                    "speculate.")
+    poll_s: float = Field(2.0, gt=0, description="Seconds between buffer tails (and the wait when idle).")
+    settle_s: float = Field(
+        1.0, ge=0, description="Segments younger than this are left for the next tail (several writers).")
+    checkpoint_every: int = Field(50, ge=1, description="Steps between saves of the trainer's own state.")
+    num_threads: int = Field(
+        1, ge=1, description="torch CPU threads of the trainer (the rest of the cores stay with the engine).")
+    max_steps: int | None = Field(
+        None, ge=1, description="Stop after this many steps; null = run until stopped.")
+    state_dir: Path | None = Field(
+        None, description="Trainer state (resume); null = <serve.run_dir>/trainer.")
+    ray_address: str | None = Field(
+        None, description="null = start a local Ray; 'auto' or ray://host:port joins a cluster.")
+    num_cpus: float = Field(1.0, gt=0, description="CPUs the trainer actor reserves in Ray.")
+    num_gpus: float = Field(0.0, ge=0, description="GPUs the trainer actor reserves in Ray.")
+    device: str = Field(
+        "cpu", pattern=r"^(cpu|cuda)(:\d+)?$",
+        description="torch device of the trainer; cuda needs num_gpus > 0.")
+    max_restarts: int = Field(
+        3, ge=-1,
+        description="Ray restarts of a crashed trainer actor (-1 = always); it resumes from its state.")
+
+    def resolved_state_dir(self, run_dir: Path) -> Path:
+        """``state_dir``, or ``<run_dir>/trainer`` when unset."""
+        return self.state_dir or run_dir / "trainer"
+
+    @model_validator(mode="after")
+    def _device_has_gpu(self) -> OnlineConfig:
+        if self.device.startswith("cuda") and self.num_gpus <= 0:
+            raise ValueError("device cuda needs num_gpus > 0 (Ray hides GPUs from an actor reserving none)")
+        return self
+
+
+class CpuConfig(StrictModel):
+    """vLLM's CPU runtime (serve/cpu_runtime.py), for the server and the offline engine; ignored on GPUs.
+
+    The defaults are the fastest plain-vLLM settings benchmarks/plain_settings.py measured here; the
+    speed benchmarks give their plain-vLLM baseline the same ones."""
+
+    openmp: Literal["iomp", "gomp"] = Field(
+        "iomp", description="OpenMP runtime the engine preloads: iomp = Intel's libiomp5 from the venv "
+                            "(vLLM's recommendation; needed for fast speculative decoding), gomp = torch's "
+                            "libgomp (vLLM's fallback). An LD_PRELOAD that already names one is kept.")
+    reserved_cores: int | None = Field(
+        0, ge=0, description="VLLM_CPU_NUM_OF_RESERVED_CPU: cores kept out of the engine's OpenMP threads "
+                             "for the scheduler and API server; null = vLLM's default (1 on x86). An "
+                             "environment value already set is kept.")
