@@ -20,6 +20,7 @@ from online_opd.config import BootstrapConfig, OnlineOPDConfig
 from online_opd.data import load_conversations, load_prompts
 from online_opd.models.drafters.checkpoint import load_drafter, save_drafter
 from online_opd.models.drafters.factory import new_drafter
+from online_opd.models.drafters.vocab import count_target_tokens, coverage, select_draft_vocab
 from online_opd.models.target import ensure_embedded_target
 from online_opd.models.target_model import TargetModel
 from online_opd.train.loop import train
@@ -147,6 +148,8 @@ def bootstrap(cfg: OnlineOPDConfig, run_dir: Path, *, progress: bool = True) -> 
         raise RuntimeError("bootstrap has no training sequences: every rollout or text conversation was "
                            "empty or longer than model.max_model_len; raise model.max_model_len or "
                            "data.num_prompts / bootstrap.text_conversations")
+    vocab = choose_draft_vocab(cfg, drafter, load_tokenizer(target), sequences) \
+        if cfg.drafter.init_from is None else {}
     tcfg = cfg.bootstrap
     if tcfg.num_threads:
         torch.set_num_threads(tcfg.num_threads)
@@ -156,7 +159,7 @@ def bootstrap(cfg: OnlineOPDConfig, run_dir: Path, *, progress: bool = True) -> 
                      desc="bootstrap (SFT)", generator=gen, stop=stop)
     return save_drafter(drafter, run_dir / "drafter", step=last,
                         metrics={"objective": "sft", "num_sequences": len(sequences),
-                                 "num_text_sequences": len(sequences) - num_rollouts})
+                                 "num_text_sequences": len(sequences) - num_rollouts, **vocab})
 
 
 def _sft_step_fn(drafter, sequences: list[TrainSequence], tcfg: BootstrapConfig, gen: torch.Generator):
@@ -176,6 +179,30 @@ def _sft_step_fn(drafter, sequences: list[TrainSequence], tcfg: BootstrapConfig,
         return torch.stack(losses).mean(), mean
 
     return step_fn
+
+
+def choose_draft_vocab(cfg: OnlineOPDConfig, drafter, tokenizer, sequences: list[TrainSequence] | None = None,
+                       ) -> dict:
+    """Give a reduced-vocabulary drafter (`drafter.draft_vocab_size`) its draft vocabulary: the target
+    tokens most frequent in `sequences` (bootstrap data), or, for a fresh drafter with no data, in
+    train-split ShareGPT replies; the end-of-turn token always. Returns figures for the manifest."""
+    size = getattr(drafter.cfg, "draft_vocab_size", None)
+    if size is None:
+        return {}
+    if sequences:
+        counts, source = count_target_tokens(sequences, drafter.cfg.vocab_size), "training sequences"
+    else:
+        replies = load_conversations(num_conversations=2048, seed=cfg.data.seed, split="train",
+                                     held_out_fraction=cfg.data.held_out_fraction)
+        ids = [TrainSequence(torch.tensor(tokenizer(c.reply, add_special_tokens=False)["input_ids"] or [0]), 0)
+               for c in replies]
+        counts, source = count_target_tokens(ids, drafter.cfg.vocab_size), "ShareGPT replies"
+    token_ids = select_draft_vocab(counts, size, required=[tokenizer.eos_token_id])
+    drafter.set_draft_vocab(token_ids)
+    share = coverage(counts, token_ids)
+    logger.info("draft vocabulary: %d of %d target tokens, covering %.2f%% of %d tokens in the %s",
+                size, drafter.cfg.vocab_size, 100 * share, int(counts.sum()), source)
+    return {"draft_vocab_size": size, "draft_vocab_coverage": round(share, 4), "draft_vocab_source": source}
 
 
 def load_serving_drafter(path: Path, target: Path):

@@ -31,9 +31,13 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
-@pytest.fixture(scope="module")
-def served(tmp_path_factory) -> Iterator[dict]:
-    """vLLM's drafter module serving checkpoint v0001 of a tiny target; v0002 has other weights."""
+VOCABS = {"v0001": [1, 2, 5, 9, 17, 30], "v0002": [0, 3, 5, 8, 20, 31]}  # reduced variant: draft ids
+
+
+@pytest.fixture(scope="module", params=["full", "reduced"])
+def served(tmp_path_factory, request) -> Iterator[dict]:
+    """vLLM's drafter module serving checkpoint v0001 of a tiny target; v0002 has other weights.
+    "reduced": both draft over 6 target ids (different ones), vLLM's own head and d2t map."""
     from vllm.config import set_current_vllm_config
     from vllm.distributed.parallel_state import (
         destroy_distributed_environment,
@@ -49,7 +53,9 @@ def served(tmp_path_factory) -> Iterator[dict]:
     root = tmp_path_factory.mktemp("reload")
     target = tiny_target(seed=1)
     target.model.save_pretrained(root / "target")
-    paths = {v: save_drafter(tiny_drafter(target, seed=seed), root / v, version=v)
+    reduced = request.param == "reduced"
+    paths = {v: save_drafter(tiny_drafter(target, seed=seed, draft_vocab=VOCABS[v] if reduced else None),
+                             root / v, version=v)
              for v, seed in (("v0001", 2), ("v0002", 3))}
     spec = {"method": "dflash", "model": str(paths["v0001"]), "num_speculative_tokens": 4}
     cfg = EngineArgs(model=str(root / "target"), skip_tokenizer_init=True, enforce_eager=True, dtype="float32",
@@ -67,8 +73,9 @@ def served(tmp_path_factory) -> Iterator[dict]:
             process_weights_after_loading(model, draft_cfg, torch.device("cpu"))
             with torch.no_grad():  # the engine shares the target's embeddings and LM head with the drafter
                 model.model.embed_tokens.weight.copy_(target.embed_weight)
-                model.lm_head.weight.copy_(target.lm_head_weight)
-            yield {"cfg": cfg, "model": model, **paths}
+                if not reduced:  # a reduced head is the drafter's own, loaded from its checkpoint
+                    model.lm_head.weight.copy_(target.lm_head_weight)
+            yield {"cfg": cfg, "model": model, "reduced": reduced, "target": target, **paths}
         finally:
             destroy_model_parallel()
             destroy_distributed_environment()
@@ -141,3 +148,16 @@ def test_without_the_previous_checkpoint_the_failure_says_nothing_serves(served,
     assert _differ(_snapshot(model), serving)  # half loaded: what the restore exists to undo
     assert worker.online_opd_reload(str(served["v0001"]))["ok"]
     assert _differ(_snapshot(model), serving) == []
+
+
+def test_a_reload_swaps_the_draft_vocabulary_of_a_reduced_drafter(served):
+    if not served["reduced"]:
+        pytest.skip("reduced-vocabulary drafters only")
+    worker, model, target = _Worker(served["cfg"], served["model"]), served["model"], served["target"]
+    for version in ("v0002", "v0001"):
+        assert worker.online_opd_reload(str(served[version]))["ok"]
+        ids = torch.tensor(VOCABS[version])
+        assert model.draft_id_to_target_id.tolist() == (ids - torch.arange(len(ids))).tolist()
+        assert torch.equal(model.lm_head.weight.detach()[: len(ids)], target.lm_head_weight[ids])  # rows padded
+        logits = model.compute_logits(torch.randn(2, 32))  # vLLM's own scatter to target ids
+        assert torch.isfinite(logits[:, ids]).all() and torch.isneginf(logits).sum() == 2 * (logits.shape[1] - 6)

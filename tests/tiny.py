@@ -24,15 +24,19 @@ def tiny_target(seed: int = 0, *, num_layers: int = 4, init_range: float = 0.2) 
 
 
 def tiny_drafter(target: TargetModel | None = None, *, block_size: int = 4, seed: int = 0,
-                 num_layers: int = 1, std: float = 0.2) -> DFlashDrafter:
+                 num_layers: int = 1, std: float = 0.2, draft_vocab: list[int] | None = None) -> DFlashDrafter:
+    """`draft_vocab`: draft over these target ids only (a reduced vocabulary)."""
     cfg = DFlashConfig(hidden_size=32, num_layers=num_layers, num_heads=4, num_kv_heads=2, head_dim=8,
                        intermediate_size=64, vocab_size=VOCAB, target_layer_ids=(0, 2),
                        mask_token_id=VOCAB - 1, block_size=block_size, rms_norm_eps=1e-6,
-                       rope_theta=10000.0, max_position_embeddings=512)
+                       rope_theta=10000.0, max_position_embeddings=512,
+                       draft_vocab_size=len(draft_vocab) if draft_vocab else None)
     drafter = DFlashDrafter(cfg)
     init_weights(drafter, std=std, seed=seed)
     target = target or tiny_target()
     drafter.attach_target(target.embed_weight, target.lm_head_weight)
+    if draft_vocab:
+        drafter.set_draft_vocab(torch.tensor(draft_vocab))
     return drafter
 
 

@@ -30,6 +30,7 @@ from online_opd.models.drafters.checkpoint import (
     CONFIG_FILE,
     WEIGHTS_FILE,
     CheckpointError,
+    check_d2t,
     check_tensors,
     read_manifest,
 )
@@ -127,7 +128,9 @@ def _load_tensors(weights: Path) -> dict[str, torch.Tensor]:
 
 
 def _check_tensors(path: Path, hf_config: dict, tensors: dict[str, torch.Tensor]) -> None:
-    shared = [name for name in tensors if any(s in name for s in _SHARED)]
+    own_head = hf_config.get("draft_vocab_size") not in (None, hf_config.get("vocab_size"))
+    shared = [name for name in tensors if any(s in name for s in _SHARED)
+              and not (own_head and name == "lm_head.weight")]  # a reduced head is the drafter's own
     if shared:
         raise ReloadError(f"{path}: carries shared target tensors {shared}; hot reload never overwrites them")
     try:
@@ -135,6 +138,8 @@ def _check_tensors(path: Path, hf_config: dict, tensors: dict[str, torch.Tensor]
         with torch.device("meta"):  # shapes only: no memory for a second copy of the drafter
             module = cls(cls.config_cls.from_hf_config(hf_config))
         check_tensors(module.state_dict(), tensors, str(path))
+        if "d2t" in tensors:
+            check_d2t(tensors["d2t"], int(hf_config["vocab_size"]), str(path))
     except (CheckpointError, ValueError) as exc:
         raise ReloadError(str(exc)) from exc
 

@@ -145,10 +145,17 @@ def _log_probs(
     target_logits: torch.Tensor,  # [num_blocks, K, vocab]
     draft_logits: torch.Tensor,  # [num_blocks, K, vocab]
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(log p, log q), each [num_blocks, K, vocab]; log p is detached (teacher)."""
+    """(log p, log q), each [num_blocks, K, vocab]; log p is detached (teacher).
+
+    A drafter with a reduced vocabulary gives -inf logits outside it; the teacher is then
+    renormalised over the draft vocabulary (its mass elsewhere is out of the drafter's reach).
+    """
     dtype = torch.promote_types(torch.promote_types(target_logits.dtype, draft_logits.dtype), torch.float32)
-    log_p = torch.log_softmax(target_logits.detach().to(dtype), dim=-1)
-    return log_p, torch.log_softmax(draft_logits.to(dtype), dim=-1)
+    target_logits = target_logits.detach().to(dtype)
+    outside = torch.isneginf(draft_logits)
+    if outside.any():
+        target_logits = target_logits.masked_fill(outside, float("-inf"))
+    return torch.log_softmax(target_logits, dim=-1), torch.log_softmax(draft_logits.to(dtype), dim=-1)
 
 
 def _kl(
@@ -157,9 +164,15 @@ def _kl(
 ) -> torch.Tensor:
     """KL(a || b) = sum_v a(v) (log a(v) - log b(v)) per position: [num_blocks, K].
 
-    Forward KL is _kl(log_p, log_q), reverse KL is _kl(log_q, log_p).
+    Forward KL is _kl(log_p, log_q), reverse KL is _kl(log_q, log_p). Tokens where a(v) = 0
+    (outside a reduced draft vocabulary, where both are -inf) add 0.
     """
-    return (log_a.exp() * (log_a - log_b)).sum(-1)
+    a = log_a.exp()
+    inside = a > 0
+    zero = torch.zeros((), dtype=a.dtype, device=a.device)
+    # -inf - -inf is nan, and where() passes nan gradients from the branch it drops: clean both inputs
+    diff = torch.where(inside, log_a, zero) - torch.where(inside, log_b, zero)
+    return torch.where(inside, a * diff, zero).sum(-1)
 
 
 def _position_weights(K: int, gamma: float, like: torch.Tensor) -> torch.Tensor:

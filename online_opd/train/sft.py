@@ -71,6 +71,9 @@ def sft_loss(
     context = seq.aux_hidden[: int(anchors.max())]
     logits = drafter(context, anchors, seq.tokens[anchors], seq.tokens)  # [M, K, V]
     labels = block_labels(seq.tokens, anchors, K, seq.labels)
+    if getattr(drafter.cfg, "draft_vocab_size", None) is not None:  # labels outside the draft vocabulary
+        scores = logits.detach().gather(-1, labels.clamp_min(0)[..., None])[..., 0]
+        labels = labels.masked_fill(torch.isneginf(scores), -100)  # cannot be drafted: not supervised
     ce = F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), labels.reshape(-1),
                          ignore_index=-100, reduction="none").view_as(labels.float())
     weights = position_weights(K, decay)[None, :] * (labels != -100)

@@ -2,6 +2,8 @@
 and check, block by block, that vLLM drafts what our torch drafter drafts.
 
 Usage: python vllm_parity_check.py METHOD TARGET_DIR OUT_DIR  (writes OUT_DIR/result.json)
+METHOD: dflash, eagle3, or dflash-reduced (DFlash drafting over a 256-token draft vocabulary,
+vLLM's draft_vocab_size with the d2t map; the vocabulary holds the continuation's tokens).
 
 A drafter is first overfit for a few Adam steps on the target's greedy
 continuation of the prompt, so that vLLM accepts some of its drafts (and
@@ -32,6 +34,7 @@ K = 4
 MAX_TOKENS = 40
 TRAIN_STEPS = 60
 PROMPT = [{"role": "user", "content": "Write a short poem about the sea."}]
+REDUCED_VOCAB = 256
 
 
 def _install_hook(worker):
@@ -57,6 +60,7 @@ def _install_hook(worker):
 
     drafter.propose = propose
     return {
+        "lm_head_rows": int(getattr(getattr(drafter.model, "lm_head", None), "weight", torch.empty(0)).shape[0]),
         "proposer": type(drafter).__name__,
         "model": type(drafter.model).__name__,
         "aux_layers": list(worker.model_runner.model.model.aux_hidden_state_layers),
@@ -98,8 +102,10 @@ def build_drafter(method: str, target: str, target_model):
     from online_opd.models.drafters.eagle3 import Eagle3Drafter
     from online_opd.models.drafters.factory import new_drafter
 
-    cfg = DrafterConfig(method=method, block_size=K, seed=0)
-    if method == "dflash":
+    reduced = method == "dflash-reduced"
+    cfg = DrafterConfig(method="dflash" if reduced else method, block_size=K, seed=0,
+                        draft_vocab_size=REDUCED_VOCAB if reduced else None)
+    if cfg.method == "dflash":
         return new_drafter(cfg, target_model.config, AutoTokenizer.from_pretrained(target), target_model)
     drafter = Eagle3Drafter.from_target(cfg, AutoConfig.from_pretrained(target))
     # std 0.2 instead of 0.02: the drafter's own layers then move its drafts,
@@ -121,11 +127,18 @@ def main(method: str, target: str, out_dir: str) -> None:
     target_model = TargetModel.from_pretrained(target)
     drafter = build_drafter(method, target, target_model)
     drafter.attach_target(target_model.embed_weight, target_model.lm_head_weight)
+    if method == "dflash-reduced":  # the continuation's tokens, then the lowest ids
+        from online_opd.models.drafters.vocab import select_draft_vocab
+
+        with torch.no_grad():
+            seq = target_model.model.generate(torch.tensor([prompt]), max_new_tokens=MAX_TOKENS, do_sample=False)[0]
+        counts = torch.bincount(seq, minlength=drafter.cfg.vocab_size)
+        drafter.set_draft_vocab(select_draft_vocab(counts, REDUCED_VOCAB, required=[tokenizer.eos_token_id]))
     overfit(drafter, target_model, prompt)
     ckpt = save_drafter(drafter, out / f"{method}-drafter")
 
     llm = make_llm(target, dtype="float32", max_model_len=512, drafter=ckpt,
-                   num_speculative_tokens=K, method=method)
+                   num_speculative_tokens=K, method=method.removesuffix("-reduced"))
     info = llm.collective_rpc(_install_hook)[0]
     before = spec_counters(llm)
     gen = generate(llm, [prompt], max_tokens=MAX_TOKENS, progress=False)[0]
@@ -172,6 +185,8 @@ def main(method: str, target: str, out_dir: str) -> None:
 
     result = {
         "k": K,
+        "draft_vocab_size": served.cfg.draft_vocab_size if method != "eagle3" else None,
+        "served_head_rows": info.get("lm_head_rows"),
         "info": info,
             "config_aux_ids": _config_aux_ids(ckpt),
         "num_output_tokens": len(gen.output_ids),

@@ -2,7 +2,8 @@
 
 A checkpoint folder holds `config.json` (vLLM/HF config of the drafter),
 `model.safetensors` (the drafter's own tensors only: the target's embeddings
-and LM head are shared, never stored) and `manifest.json` (version, parent
+and LM head are shared, never stored, except the rows of a reduced draft
+vocabulary, `lm_head.weight` with its `d2t` map) and `manifest.json` (version, parent
 version, sha256 of each file, training step, free-form metrics). Folders are
 written to a temporary sibling and renamed into place, so a half-written
 checkpoint is never visible (``online_opd.files.atomic_folder``).
@@ -49,8 +50,8 @@ def save_drafter(
 def write_checkpoint(drafter: nn.Module, folder: Path, *, version: str, parent_version: str | None = None,
                      step: int = 0, metrics: dict | None = None) -> None:
     """Write the checkpoint's three files into the existing folder `folder` (not atomic on its own)."""
-    tensors = {k: v.detach().to("cpu", torch.float32).contiguous()
-               for k, v in drafter.state_dict().items()}
+    tensors = {k: v.detach().to("cpu", torch.float32 if v.is_floating_point() else v.dtype).contiguous()
+               for k, v in drafter.state_dict().items()}  # integer tensors (d2t) keep their dtype
     save_file(tensors, folder / WEIGHTS_FILE, metadata={"format": "pt"})
     (folder / CONFIG_FILE).write_text(json.dumps(drafter.cfg.to_hf_config(), indent=2))
     manifest = {
@@ -92,7 +93,19 @@ def load_drafter(path: str | Path, *, verify_hashes: bool = True) -> nn.Module:
 def load_state_checked(drafter: nn.Module, tensors: dict[str, torch.Tensor], source: str) -> None:
     """Copy `tensors` into `drafter`; errors name the missing/extra/mis-shaped tensor."""
     check_tensors(drafter.state_dict(), tensors, source)
+    if "d2t" in tensors:
+        check_d2t(tensors["d2t"], drafter.cfg.vocab_size, source)
     drafter.load_state_dict(tensors, strict=True)
+
+
+def check_d2t(d2t: torch.Tensor, vocab_size: int, source: str) -> None:
+    """A reduced drafter's d2t must map its draft ids to ascending, distinct target ids."""
+    from online_opd.models.drafters.dflash import check_draft_vocab
+
+    try:
+        check_draft_vocab(torch.arange(len(d2t)) + d2t, len(d2t), vocab_size)
+    except ValueError as exc:
+        raise CheckpointError(f"{source}: tensor 'd2t': {exc}") from exc
 
 
 #: Weight dtypes a drafter checkpoint may carry (float8 and others are refused before any check runs on them).

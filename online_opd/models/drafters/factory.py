@@ -33,7 +33,9 @@ def choose_mask_token_id(tokenizer) -> int:
 def new_drafter(cfg: DrafterConfig, target_config, tokenizer, target_model=None) -> nn.Module:
     """A drafter for `target_config` (a transformers config): from `cfg.init_from`
     when set, else randomly initialised with `cfg.seed` and, when `target_model`
-    is given, warm-started from the target's weights (`init_from_target`)."""
+    is given, warm-started from the target's weights (`init_from_target`). A reduced
+    draft vocabulary starts as the first `draft_vocab_size` ids: choose it with
+    ``set_draft_vocab`` (serve/pipeline.choose_draft_vocab)."""
     if cfg.init_from is not None:
         return load_drafter(cfg.init_from)
     if cfg.method != "dflash":
@@ -56,6 +58,7 @@ def new_drafter(cfg: DrafterConfig, target_config, tokenizer, target_model=None)
         rms_norm_eps=target_config.rms_norm_eps,
         rope_theta=float((getattr(target_config, "rope_parameters", None) or {}).get("rope_theta", 1e6)),
         max_position_embeddings=target_config.max_position_embeddings,
+        draft_vocab_size=cfg.draft_vocab_size,
     )
     drafter = drafter_class("dflash")(dcfg)
     init_weights(drafter, seed=cfg.seed)
