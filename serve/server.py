@@ -184,8 +184,16 @@ def serve_env(cfg: OnlineOPDConfig, target: Path, drafter: Path, *, capture: boo
             buffer_dir=str(c.buffer_dir.resolve()), model_id=_model_name(cfg, target),
             drafter_version=str(read_manifest(drafter).get("version") or drafter.name),
             sample_rate=c.sample_rate, queue_size=c.queue_size, flush_records=c.flush_records,
-            flush_interval_s=c.flush_interval_s, max_bytes=c.max_bytes, max_age_s=c.max_age_s).to_env()
+            flush_interval_s=c.flush_interval_s, max_bytes=c.max_bytes, max_age_s=c.max_age_s,
+            replica=replica_name()).to_env()
     return env
+
+
+def replica_name() -> str:
+    """This serving replica's name in records and in a shared trainer: host and server process id."""
+    from online_opd.traces.buffer import default_writer_id
+
+    return default_writer_id()
 
 
 def start_online_trainer(cfg: OnlineOPDConfig, target: Path):
@@ -200,7 +208,7 @@ def start_online_trainer(cfg: OnlineOPDConfig, target: Path):
     trainer = TrainerProcess(TrainerSpec(
         config=cfg.model_dump(mode="json"), target_path=str(target),
         buffer_dir=str(cfg.capture.buffer_dir.resolve()), registry_dir=str(cfg.serve.registry.resolve()),
-        state_dir=str(cfg.online.resolved_state_dir(cfg.serve.run_dir).resolve())))
+        state_dir=str(cfg.online.resolved_state_dir(cfg.serve.run_dir).resolve()), replica=replica_name()))
     trainer.start()
     set_trainer_stats(trainer.stats)
     stopped = []

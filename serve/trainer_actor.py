@@ -38,6 +38,10 @@ from online_opd.train.online import OnlineTrainer
 logger = logging.getLogger("online_opd.trainer_actor")
 
 ACTOR_NAME = "online-opd-trainer"
+#: Ray namespace of the shared trainer: replicas joining one cluster find it there by name.
+NAMESPACE = "online-opd"
+#: A replica whose trainer child has not polled for this long no longer keeps a shared trainer alive.
+REPLICA_LEASE_S = 120.0
 LOCAL_OBJECT_STORE_BYTES = 200 * 1024**2  # the trainer passes no large objects through Ray
 #: A local head that stops answering is gone (nothing restarts it): its driver ends after this many seconds
 #: instead of Ray's default 60, so serve/trainer_process.py starts a fresh one sooner.
@@ -53,6 +57,8 @@ class TrainerActor:
         self._trainer = OnlineTrainer(OnlineOPDConfig.model_validate(cfg), target_path=Path(target_path),
                                       buffer_dir=Path(buffer_dir), registry_dir=Path(registry_dir),
                                       state_dir=Path(state_dir))
+        self._dirs = {"buffer_dir": str(Path(buffer_dir).resolve()), "registry_dir": str(Path(registry_dir).resolve())}
+        self._replicas: dict[str, float] = {}  # replica -> last time it attached or polled (monotonic)
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._lock = threading.Lock()
@@ -75,11 +81,31 @@ class TrainerActor:
             logger.exception("online trainer died; exiting so that Ray restarts the actor")
             os._exit(1)
 
-    def stats(self) -> dict[str, Any]:
-        """The trainer's figures plus whether its thread is alive and this process's id."""
+    def stats(self, replica: str | None = None) -> dict[str, Any]:
+        """The trainer's figures plus whether its thread is alive, this process's id and the replicas
+        it trains for; `replica` (a serving replica's poll) renews that replica's lease."""
+        if replica is not None:
+            self._replicas[replica] = time.monotonic()
         thread = self._thread
         return {**self._trainer.stats(), "running": thread is not None and thread.is_alive(),
-                "pid": os.getpid()}
+                "pid": os.getpid(), "replicas": sorted(self._replicas)}
+
+    def attach(self, replica: str, buffer_dir: str, registry_dir: str) -> list[str]:
+        """A serving replica joins this (shared) trainer; its buffer and registry must be the trainer's."""
+        theirs = {"buffer_dir": str(Path(buffer_dir).resolve()), "registry_dir": str(Path(registry_dir).resolve())}
+        if theirs != self._dirs:
+            raise ValueError(f"replica {replica!r} serves with {theirs}, but the cluster's online trainer "
+                             f"trains on {self._dirs}: replicas sharing a trainer must share one buffer and "
+                             "one registry (capture.buffer_dir, serve.registry on shared storage)")
+        self._replicas[replica] = time.monotonic()
+        return sorted(self._replicas)
+
+    def detach(self, replica: str, lease_s: float = REPLICA_LEASE_S) -> list[str]:
+        """A replica leaves; returns the replicas still attached (those that polled within `lease_s`)."""
+        self._replicas.pop(replica, None)
+        now = time.monotonic()
+        self._replicas = {r: seen for r, seen in self._replicas.items() if now - seen <= lease_s}
+        return sorted(self._replicas)
 
     def stop(self, timeout: float = 60.0) -> dict[str, Any]:
         """Finish the current step (and gate), save the state, and return the final figures."""
@@ -122,6 +148,7 @@ def init_ray(ocfg) -> None:
                   "object_store_memory": LOCAL_OBJECT_STORE_BYTES,
                   "_system_config": {"gcs_rpc_server_reconnect_timeout_s": LOCAL_GCS_RECONNECT_S}}
     else:
+        kwargs = {"namespace": NAMESPACE}  # where every replica finds the one trainer by name
         auth = join_auth_env(ocfg.ray_address, os.environ, Path.home())
         if auth:
             logger.info("joining Ray at %s with token authentication (the token `ray start` saved)",
@@ -137,20 +164,31 @@ def init_ray(ocfg) -> None:
 
 
 def start_trainer(cfg: OnlineOPDConfig, *, target_path: Path, buffer_dir: Path, registry_dir: Path,
-                  state_dir: Path, name: str = ACTOR_NAME):
+                  state_dir: Path, name: str = ACTOR_NAME, replica: str | None = None):
     """Create the trainer actor (starting a local Ray, or joining ``online.ray_address``, if needed).
 
-    Returns at once with the actor handle; the actor loads the models and starts training by itself.
-    A failure to start shows up as ``trainer_stats`` returning None.
+    Local Ray: the actor lives and dies with this driver. On a cluster (``online.ray_address``) there
+    is one trainer for every replica: a named, detached actor in the ``online-opd`` namespace, which
+    the first replica creates and later ones find (``get_if_exists``); each attaches as `replica`
+    (ValueError when its buffer or registry is not the trainer's) and ``stop_trainer`` stops it only
+    when the last replica leaves. Returns with the actor handle; the actor loads the models and starts
+    training by itself. A failure to start shows up as ``trainer_stats`` returning None.
     """
     ocfg = cfg.online
     init_ray(ocfg)
     actor_cls = ray.remote(num_cpus=ocfg.num_cpus, num_gpus=ocfg.num_gpus, max_restarts=ocfg.max_restarts,
                            max_task_retries=ocfg.max_restarts, max_concurrency=4)(TrainerActor)
-    handle = actor_cls.options(name=name).remote(
+    shared = ocfg.ray_address is not None
+    options = {"name": name, **({"lifetime": "detached", "get_if_exists": True} if shared else {})}
+    handle = actor_cls.options(**options).remote(
         cfg.model_dump(mode="json"), str(target_path), str(buffer_dir), str(registry_dir), str(state_dir))
-    logger.info("started online trainer actor %r (%g CPUs, %g GPUs, state %s)", name, ocfg.num_cpus,
-                ocfg.num_gpus, state_dir)
+    if shared and replica is not None:
+        replicas = ray.get(handle.attach.remote(replica, str(buffer_dir), str(registry_dir)))
+        logger.info("online trainer actor %r on the cluster trains for replicas %s (this one: %s)",
+                    name, replicas, replica)
+    else:
+        logger.info("started online trainer actor %r (%g CPUs, %g GPUs, state %s)", name, ocfg.num_cpus,
+                    ocfg.num_gpus, state_dir)
     return handle
 
 
@@ -163,8 +201,18 @@ def trainer_stats(handle, timeout: float = 5.0) -> dict[str, Any] | None:
         return None
 
 
-def stop_trainer(handle, timeout: float = 60.0) -> dict[str, Any] | None:
-    """Stop training (the state is saved), then end the actor; returns its last figures, or None."""
+def stop_trainer(handle, timeout: float = 60.0, replica: str | None = None) -> dict[str, Any] | None:
+    """Stop training (the state is saved), then end the actor; returns its last figures, or None.
+    With `replica` (a shared trainer on a cluster): detach it, and stop only when none is left."""
+    if replica is not None:
+        try:
+            others = ray.get(handle.detach.remote(replica), timeout=timeout)
+        except Exception as exc:
+            logger.warning("could not detach from the online trainer: %r", exc)
+            return None
+        if others:
+            logger.info("online trainer keeps running for replicas %s", others)
+            return trainer_stats(handle)
     final = None
     try:
         final = ray.get(handle.stop.remote(timeout), timeout=timeout + 10)

@@ -60,6 +60,7 @@ class TrainerSpec(BaseModel):
     buffer_dir: str
     registry_dir: str
     state_dir: str
+    replica: str = ""  # the serving replica (its capture writer id); "" = this host and the server's pid
 
 
 class TrainerProcess:
@@ -192,13 +193,13 @@ def _watch_stdin(stop: threading.Event) -> None:
     stop.set()
 
 
-def _poll(handle) -> tuple[dict | None, bool]:
+def _poll(handle, replica: str | None) -> tuple[dict | None, bool]:
     """(the actor's stats or None while it does not answer, whether it is dead for good)."""
     import ray
     from ray.exceptions import ActorDiedError
 
     try:
-        return ray.get(handle.stats.remote(), timeout=STATS_TIMEOUT_S), False
+        return ray.get(handle.stats.remote(replica), timeout=STATS_TIMEOUT_S), False
     except ActorDiedError:
         return None, True
     except Exception as exc:  # timed out, restarting, unavailable
@@ -211,18 +212,20 @@ def main() -> int:
     os.dup2(sys.stderr.fileno(), sys.stdout.fileno())  # Ray and stray prints: to the log, not the protocol
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     from online_opd.config import OnlineOPDConfig
+    from online_opd.traces.buffer import default_writer_id
     from serve.signals import stop_on_signals
     from serve.trainer_actor import start_trainer, stop_trainer
 
     spec = TrainerSpec.model_validate_json(sys.stdin.readline())
+    cfg = OnlineOPDConfig.model_validate(spec.config)
+    replica = (spec.replica or default_writer_id(os.getppid())) if cfg.online.ray_address is not None else None
     stop = threading.Event()
     threading.Thread(target=_watch_stdin, args=(stop,), daemon=True).start()
-    handle = start_trainer(OnlineOPDConfig.model_validate(spec.config), target_path=Path(spec.target_path),
-                           buffer_dir=Path(spec.buffer_dir), registry_dir=Path(spec.registry_dir),
-                           state_dir=Path(spec.state_dir))
+    handle = start_trainer(cfg, target_path=Path(spec.target_path), buffer_dir=Path(spec.buffer_dir),
+                           registry_dir=Path(spec.registry_dir), state_dir=Path(spec.state_dir), replica=replica)
     with stop_on_signals(stop=stop):  # after ray.init, which installs handlers of its own
-        code = _report(handle, stop, protocol)
-        final = stop_trainer(handle) if code == 0 else None
+        code = _report(handle, stop, protocol, replica)
+        final = stop_trainer(handle, replica=replica) if code == 0 else None
     if final:
         logger.info("online trainer stopped after %s steps", final.get("steps"))
     import ray
@@ -231,10 +234,10 @@ def main() -> int:
     return code
 
 
-def _report(handle, stop: threading.Event, protocol: IO[str]) -> int:
+def _report(handle, stop: threading.Event, protocol: IO[str], replica: str | None) -> int:
     """Write the actor's stats every ``POLL_S`` until ``stop``; the exit code for ``main``."""
     while not stop.wait(POLL_S):
-        stats, is_gone = _poll(handle)
+        stats, is_gone = _poll(handle, replica)
         if is_gone:
             logger.error("online trainer actor is dead and Ray will not restart it (online.max_restarts)")
             return EXIT_ACTOR_GONE

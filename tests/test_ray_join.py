@@ -6,8 +6,6 @@ turns token mode on by itself only for address None/"auto" (serve/trainer_actor.
 from __future__ import annotations
 
 import os
-import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -17,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from serve.trainer_actor import join_auth_env
+from tests.ray_cluster import RAY, ray_head
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -50,30 +49,17 @@ print("answer", ray.get(ray.remote(num_cpus=0)(lambda: 42).remote(), timeout=60)
 """
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.mark.slow
 def test_serve_joins_a_ray_head_started_with_token_authentication():
-    work = Path(tempfile.mkdtemp(prefix="rjoin", dir="/tmp"))  # short: Ray's socket paths have a length limit
+    work = Path(tempfile.mkdtemp(prefix="rjoin", dir="/tmp"))
     env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_")}
     env["HOME"] = str(work / "home")  # its own ~/.ray/auth_token
-    port = _free_port()
-    ray_bin = Path(sys.executable).parent / "ray"
     token = work / "home" / ".ray" / "auth_token"
     # what a first local ray.init() leaves behind; `ray start --head` then turns authentication on
-    subprocess.run([str(ray_bin), "get-auth-token", "--generate"], env=env, check=True, capture_output=True,
+    subprocess.run([str(RAY), "get-auth-token", "--generate"], env=env, check=True, capture_output=True,
                    timeout=120)
     assert token.exists()
-    head = subprocess.Popen(
-        [str(ray_bin), "start", "--head", "--block", f"--port={port}", "--num-cpus=1", "--node-ip-address=127.0.0.1",
-         "--include-dashboard=false", "--disable-usage-stats", f"--temp-dir={work / 'ray'}"],
-        env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
-    try:
-        address = f"127.0.0.1:{port}"
+    with ray_head(env, num_cpus=1) as address:
 
         def join(how: str, timeout: float) -> subprocess.CompletedProcess:
             return subprocess.run([sys.executable, "-c", JOIN, address, how], cwd=ROOT, env=env,
@@ -91,9 +77,3 @@ def test_serve_joins_a_ray_head_started_with_token_authentication():
             assert plain.returncode != 0 and "Authentication token is missing or incorrect" in plain.stderr
         except subprocess.TimeoutExpired:
             pass  # still retrying: it did not connect either
-    finally:
-        os.killpg(head.pid, signal.SIGTERM)  # --block: ray start stops the processes it started
-        try:
-            head.wait(60)
-        except subprocess.TimeoutExpired:
-            os.killpg(head.pid, signal.SIGKILL)

@@ -210,3 +210,15 @@ def test_prometheus_series_from_status_and_trainer():
     text = generate_latest(restarting).decode()
     assert "online_opd_trainer_up 0.0" in text and 'online_opd_trainer_restarts_total{level="ray"} 3.0' in text
     assert "online_opd_trainer_steps_total" not in text
+
+
+def test_records_and_the_shared_trainer_name_the_replica_alike(tmp_path):
+    import json as _json
+
+    from online_opd.config import load_config
+    from online_opd.traces.buffer import default_writer_id
+    from serve.server import replica_name, serve_env
+    from vllm_patches import CAPTURE_ENV
+
+    env = serve_env(load_config(None, [f"capture.buffer_dir={tmp_path / 'buf'}"]), tmp_path, tmp_path, capture=True)
+    assert _json.loads(env[CAPTURE_ENV])["replica"] == replica_name() == default_writer_id()

@@ -93,6 +93,7 @@ class CaptureSettings(BaseModel):
     max_bytes: int | None = None
     max_age_s: float | None = None
     writer_id: str = ""
+    replica: str = ""  # the serving replica's name in records; "" = the writer id
     seed: int | None = None
 
     def to_env(self) -> str:
@@ -310,7 +311,7 @@ class Capture:
             drafter_version=blocks[0].drafter_version if blocks else t.version,
             temperature=t.temperature, top_p=t.top_p, top_k=t.top_k, tokens=tuple(tokens),
             prompt_len=len(t.prompt), blocks=blocks, events=tuple(t.events), captured_at=time.time(),
-            replica=self._get_writer().writer_id)
+            replica=self.settings.replica or self._get_writer().writer_id)
         if self._get_writer().submit(record):
             self.counters["captured"] += 1
             self.counters["blocks"] += len(blocks)

@@ -109,9 +109,9 @@ def sanitize_writer_id(writer_id: str) -> str:
     return clean
 
 
-def default_writer_id() -> str:
-    """Host and process: distinct per replica without any configuration."""
-    return sanitize_writer_id(f"{socket.gethostname()[:20]}_{os.getpid()}")
+def default_writer_id(pid: int | None = None) -> str:
+    """Host and process (this one, or `pid`): distinct per replica without any configuration."""
+    return sanitize_writer_id(f"{socket.gethostname()[:20]}_{os.getpid() if pid is None else pid}")
 
 
 def segment_name(created_ms: int, writer_id: str, seq: int, sha256_hex: str) -> str:

@@ -109,7 +109,7 @@ class SequenceRecord:
     blocks: tuple[BlockRecord, ...]  # in drafting order
     events: tuple[dict, ...] = ()  # chain breaks, see the module docstring
     captured_at: float = 0.0  # unix seconds when the request finished (0 = unknown)
-    replica: str = ""  # the serving replica that captured it: its buffer writer id ("" = unknown, older records)
+    replica: str = ""  # the serving replica that captured it (host_pid of its server; "" = unknown, older records)
 
     def to_dict(self) -> dict[str, Any]:
         return {
