@@ -7,7 +7,8 @@ served tau on held-out ShareGPT prompts, and tokens/s with vs without
 speculative decoding at each configured concurrency, for each block size in
 --serve-k (the same drafter served with fewer draft tokens).
 
-    python benchmarks/bootstrap_served.py -c configs/default.yaml --run-dir runs/bootstrap --serve-k 4 2
+    python benchmarks/bootstrap_served.py -c configs/default.yaml --run-dir runs/bootstrap --serve-k 4 --serve-k 2
+    python benchmarks/bootstrap_served.py --run-dir runs/bt-text --serve-k 4 bootstrap.text_conversations=1024
 
 The speedups of later block sizes are against the first one's baseline figures.
 """
@@ -29,8 +30,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("-c", "--config", type=Path, default=Path("configs/default.yaml"))
     parser.add_argument("--run-dir", type=Path, default=Path("runs/bootstrap"))
-    parser.add_argument("--serve-k", type=int, nargs="+", default=None,
-                        help="draft tokens per step to serve with (default: the drafter's block size)")
+    parser.add_argument("--serve-k", type=int, action="append", default=None,
+                        help="draft tokens per step to serve with, repeatable (default: the drafter's block "
+                             "size); one value per flag, so that config overrides may follow")
     parser.add_argument("overrides", nargs="*")
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO)
