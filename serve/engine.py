@@ -79,6 +79,7 @@ def make_llm(
     `speculative_config` as is, e.g. ``ngram_speculative_config()``). `runtime_env`
     (serve/cpu_runtime.py) goes into this process's environment before vLLM spawns its engine."""
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
+    os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")  # stdout carries results (JSON)
     os.environ.update(runtime_env or {})
     from vllm import LLM
 
