@@ -27,6 +27,7 @@ import math
 import os
 import threading
 import time
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -59,6 +60,7 @@ class TrainerActor:
                                       state_dir=Path(state_dir))
         self._dirs = {"buffer_dir": str(Path(buffer_dir).resolve()), "registry_dir": str(Path(registry_dir).resolve())}
         self._replicas: dict[str, float] = {}  # replica -> last time it attached or polled (monotonic)
+        self._replicas_lock = threading.Lock()  # a threaded actor: calls run concurrently
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._lock = threading.Lock()
@@ -84,11 +86,13 @@ class TrainerActor:
     def stats(self, replica: str | None = None) -> dict[str, Any]:
         """The trainer's figures plus whether its thread is alive, this process's id and the replicas
         it trains for; `replica` (a serving replica's poll) renews that replica's lease."""
-        if replica is not None:
-            self._replicas[replica] = time.monotonic()
+        with self._replicas_lock:
+            if replica is not None:
+                self._replicas[replica] = time.monotonic()
+            replicas = sorted(self._replicas)
         thread = self._thread
         return {**self._trainer.stats(), "running": thread is not None and thread.is_alive(),
-                "pid": os.getpid(), "replicas": sorted(self._replicas)}
+                "pid": os.getpid(), "replicas": replicas}
 
     def attach(self, replica: str, buffer_dir: str, registry_dir: str) -> list[str]:
         """A serving replica joins this (shared) trainer; its buffer and registry must be the trainer's."""
@@ -97,15 +101,17 @@ class TrainerActor:
             raise ValueError(f"replica {replica!r} serves with {theirs}, but the cluster's online trainer "
                              f"trains on {self._dirs}: replicas sharing a trainer must share one buffer and "
                              "one registry (capture.buffer_dir, serve.registry on shared storage)")
-        self._replicas[replica] = time.monotonic()
-        return sorted(self._replicas)
+        with self._replicas_lock:
+            self._replicas[replica] = time.monotonic()
+            return sorted(self._replicas)
 
     def detach(self, replica: str, lease_s: float = REPLICA_LEASE_S) -> list[str]:
         """A replica leaves; returns the replicas still attached (those that polled within `lease_s`)."""
-        self._replicas.pop(replica, None)
-        now = time.monotonic()
-        self._replicas = {r: seen for r, seen in self._replicas.items() if now - seen <= lease_s}
-        return sorted(self._replicas)
+        with self._replicas_lock:
+            self._replicas.pop(replica, None)
+            now = time.monotonic()
+            self._replicas = {r: seen for r, seen in self._replicas.items() if now - seen <= lease_s}
+            return sorted(self._replicas)
 
     def stop(self, timeout: float = 60.0) -> dict[str, Any]:
         """Finish the current step (and gate), save the state, and return the final figures."""
@@ -118,7 +124,7 @@ class TrainerActor:
 RAY_AUTH_MODE_ENV = "RAY_AUTH_MODE"
 
 
-def join_auth_env(address: str | None, environ: dict[str, str] | os._Environ, home: Path) -> dict[str, str]:
+def join_auth_env(address: str | None, environ: Mapping[str, str], home: Path) -> dict[str, str]:
     """The environment entry that lets ``ray.init(address=...)`` join a cluster with token auth on.
 
     Ray 2.60 turns token authentication on by default for clusters it starts (``ray start --head``
