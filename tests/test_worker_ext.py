@@ -150,9 +150,8 @@ def test_without_the_previous_checkpoint_the_failure_says_nothing_serves(served,
     assert _differ(_snapshot(model), serving) == []
 
 
+@pytest.mark.parametrize("served", ["reduced"], indirect=True)
 def test_a_reload_swaps_the_draft_vocabulary_of_a_reduced_drafter(served):
-    if not served["reduced"]:
-        pytest.skip("reduced-vocabulary drafters only")
     worker, model, target = _Worker(served["cfg"], served["model"]), served["model"], served["target"]
     for version in ("v0002", "v0001"):
         assert worker.online_opd_reload(str(served[version]))["ok"]
