@@ -5,7 +5,7 @@ vLLM's built-in ngram speculation (the baseline that needs no training), in
 the same process, on the same prompts, at each configured concurrency
 (prompts are submitted in groups of that size). Acceptance length comes from vLLM's
 own counters: tau = 1 + accepted / drafts. At temperature 0 the outputs of
-the two engines are also compared token for token (lossless check).
+each speculative engine are also compared with plain's token for token (lossless check).
 """
 
 from __future__ import annotations
