@@ -9,9 +9,10 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Literal
 
-from pydantic import Field, model_validator
+from pydantic import Field, field_validator, model_validator
 
 from online_opd.config_base import StrictModel
+from online_opd.traces.storage import check_location, is_uri
 
 __all__ = ["CaptureConfig", "ServeConfig", "GateConfig", "OnlineConfig", "CpuConfig"]
 
@@ -20,7 +21,9 @@ class CaptureConfig(StrictModel):
     """What the serving engine records into the trace buffer (vllm_patches/capture.py)."""
 
     enabled: bool = Field(True, description="Capture verification outcomes of served requests.")
-    buffer_dir: Path = Field(Path("runs/serve/buffer"), description="Trace buffer folder (segment files).")
+    buffer_dir: Path | str = Field(
+        Path("runs/serve/buffer"), description="Trace buffer: a folder, or s3://bucket/prefix on an S3-compatible "
+                                               "store (endpoint and credentials from the AWS_* variables).")
     sample_rate: float = Field(
         1.0, ge=0, le=1, description="Fraction of requests recorded (decided per request, at random).")
     queue_size: int = Field(
@@ -31,6 +34,16 @@ class CaptureConfig(StrictModel):
         2 * 1024**3, gt=0, description="Retention: oldest segments are deleted beyond this size.")
     max_age_s: float | None = Field(
         7 * 24 * 3600.0, gt=0, description="Retention: segments older than this are deleted.")
+    retention_interval_s: float = Field(
+        30.0, ge=0, description="Least seconds between two retention passes of a writer (each lists the "
+                                "whole buffer; 0 = after every segment). The bounds may be exceeded by "
+                                "this much traffic.")
+
+    @field_validator("buffer_dir", mode="before")
+    @classmethod
+    def _folder_or_uri(cls, value: object) -> object:
+        """A folder stays a Path; an s3:// URI stays a string (a Path would fold its '//')."""
+        return check_location(value) if isinstance(value, (str, Path)) else value
 
 
 class ServeConfig(StrictModel):
@@ -66,7 +79,14 @@ class ServeConfig(StrictModel):
         "ONLINE_OPD_ADMIN_TOKEN",
         description="Env var holding the admin bearer token; the admin routes are off when it is unset.")
     stats_poll_s: float = Field(
-        5.0, gt=0, description="Seconds between polls of the engine's capture/reload figures for /metrics.")
+        5.0, gt=0, description="Seconds between polls of the engine's capture/reload figures for /metrics "
+                               "while the engine works (and for stats_settle_s after).")
+    stats_settle_s: float = Field(
+        30.0, ge=0, description="Seconds after the engine's last work (tokens, running or waiting requests) "
+                                "that polls stay stats_poll_s apart: the buffer writer's flushes and retries.")
+    stats_idle_poll_s: float = Field(
+        60.0, gt=0, description="Seconds between polls of an idle engine. Each poll makes vLLM's worker "
+                                "busy-wait on its message queue for about a second, a whole core on CPU.")
     reload_poll_s: float = Field(5.0, gt=0, description="Seconds between checks of the registry's current.")
     auto_reload: bool = Field(
         True, description="Hot-load the registry's current version when it changes (the reloader).")
@@ -92,6 +112,16 @@ class ServeConfig(StrictModel):
     @property
     def registry(self) -> Path:
         return self.registry_dir or self.run_dir / "registry"
+
+    @field_validator("run_dir", "registry_dir", mode="before")
+    @classmethod
+    def _posix_folder(cls, value: object) -> object:
+        if isinstance(value, str) and is_uri(value):
+            raise ValueError("must be a local or shared POSIX folder (NFS, Lustre, ...) mounted on every replica, "
+                             "not a URI: the drafter registry's publish and rollback need compare-and-swap on "
+                             "its CURRENT pointer (flock + atomic rename), which object stores reached through "
+                             "pyarrow.fs cannot do (no conditional PUT)")
+        return value
 
 
 class GateConfig(StrictModel):

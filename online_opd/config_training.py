@@ -36,6 +36,10 @@ class TrainerConfig(StrictModel):
     lambda_acc: float = Field(1.0, ge=0, description="Weight of the accepted-position forward KL (eq. 13).")
     lambda_rej: float = Field(1.0, ge=0, description="Weight of the rejected-position reverse KL (eq. 13).")
     first_rejected_only: bool = Field(False, description="Rejected group = only the first rejected position.")
+    loss_pooling: Literal["batch", "sequence"] = Field(
+        "batch", description="How the objective averages a step's sequences: 'batch' pools every replayed "
+                             "(block, position) of the step into I_acc / I_rej (paper eq. 10-11); 'sequence' "
+                             "scores each sequence on its own and averages the sequences equally.")
     sft_position_decay: float = Field(
         7.0, gt=0, description="SFT cross-entropy weight exp(-(k-1)/decay) (DFlash).")
     num_threads: int | None = Field(None, ge=1, description="torch CPU threads; null = torch's default.")
@@ -45,6 +49,20 @@ class TrainerConfig(StrictModel):
     device: str = Field(
         "cpu", pattern=r"^(cpu|cuda|mps|xpu)(:\d+)?$", description="torch device of the trainer.")
     seed: int = Field(0, description="Seed of anchor sampling and data order.")
+    num_workers: int = Field(
+        1, ge=1, description="Data-parallel training processes (serve/trainer_dp.py: Ray Train's TorchTrainer, "
+                             "gloo on the CPU, NCCL with device cuda, one GPU each), each replaying its slice "
+                             "of every step's sequences_per_step; the update is the one-process update. "
+                             "Online too (serve/trainer_online_dp.py): the trainer actor's rank 0 decides, "
+                             "the other workers hold replicas. 1 = train in this process, without Ray.")
+    ray_address: str | None = Field(
+        None, min_length=1,
+        description="Ray cluster of the num_workers > 1 workers: host:port or 'auto' (`ray start --head` "
+                    "plus `ray start --address` on each node); null = a local Ray on this machine.")
+    worker_resources: dict[str, float] = Field(
+        default_factory=dict,
+        description="Ray resources each data-parallel worker reserves on top of one CPU (and one GPU with "
+                    "device cuda), e.g. {CPU: 4} or a custom node resource that places one worker per node.")
 
     @field_validator("betas")
     @classmethod
@@ -57,6 +75,27 @@ class TrainerConfig(StrictModel):
     def _lambdas_positive(self) -> TrainerConfig:
         if self.lambda_acc + self.lambda_rej <= 0:
             raise ValueError("lambda_acc + lambda_rej must be > 0")
+        return self
+
+    @field_validator("worker_resources")
+    @classmethod
+    def _resources_non_negative(cls, resources: dict[str, float]) -> dict[str, float]:
+        for name, amount in resources.items():
+            if amount < 0:
+                raise ValueError(f"worker_resources[{name!r}] = {amount} must be >= 0")
+        return resources
+
+    @model_validator(mode="after")
+    def _workers_fit(self) -> TrainerConfig:
+        if self.num_workers == 1:
+            return self
+        if self.sequences_per_step < self.num_workers:
+            raise ValueError(f"num_workers={self.num_workers} needs sequences_per_step >= num_workers (each "
+                             f"worker replays its slice of a step's sequences), got {self.sequences_per_step}; "
+                             "raise sequences_per_step or lower num_workers")
+        if self.device not in ("cpu", "cuda"):
+            raise ValueError(f"num_workers={self.num_workers} runs on device 'cpu' or 'cuda' (Ray Train gives "
+                             f"each worker its GPU), got {self.device!r}")
         return self
 
 
@@ -86,6 +125,13 @@ class BootstrapConfig(TrainerConfig):
         if not self.rollouts and self.text_conversations == 0:
             raise ValueError("rollouts=false leaves no training data; set text_conversations > 0 "
                              "or rollouts=true")
+        return self
+
+    @model_validator(mode="after")
+    def _workers_on_cpu(self) -> BootstrapConfig:
+        if self.num_workers > 1 and self.device != "cpu":
+            raise ValueError(f"num_workers={self.num_workers}: the bootstrap trains on the CPU (gloo workers), "
+                             f"got device {self.device!r}; set bootstrap.device: cpu")
         return self
 
 

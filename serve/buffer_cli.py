@@ -1,4 +1,4 @@
-"""`online-opd buffer`: look into a trace-buffer directory.
+"""`online-opd buffer`: look into a trace buffer (a folder, or an ``s3://bucket/prefix`` URI).
 
 ``buffer stats DIR`` prints whole-buffer figures as JSON (segments, bytes,
 records, corrupt segments, acceptance per drafter version); ``buffer show DIR``
@@ -26,9 +26,9 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     p = subparsers.add_parser("buffer", help="inspect a trace-buffer directory")
     bsub = p.add_subparsers(dest="buffer_command", required=True, metavar="ACTION")
     s = bsub.add_parser("stats", help="segments, bytes, records and acceptance per drafter version, as JSON")
-    s.add_argument("dir", type=Path, help="buffer directory")
+    s.add_argument("dir", help="buffer directory, or s3://bucket/prefix")
     s = bsub.add_parser("show", help="one JSON line per record, oldest first")
-    s.add_argument("dir", type=Path, help="buffer directory")
+    s.add_argument("dir", help="buffer directory, or s3://bucket/prefix")
     s.add_argument("--limit", type=int, default=20, help="records to print (default 20; 0 = all)")
     s.add_argument("--after", default=None, metavar="NAME",
                    help="start after this segment name (the 'segment' field of a printed line)")
@@ -39,11 +39,17 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
 
 
 def run(args: argparse.Namespace) -> int:
-    """Run ``buffer stats|show``; 0 on success, 2 when the directory does not exist."""
-    if not args.dir.is_dir():
-        print(f"online-opd buffer: {args.dir} is not a directory", file=sys.stderr)
+    """Run ``buffer stats|show``; 0 on success, 2 when the directory (bucket) does not exist or the
+    location is not one (a URI of another scheme)."""
+    try:
+        reader = BufferReader(args.dir)
+    except ValueError as exc:
+        print(f"online-opd buffer: {exc}", file=sys.stderr)
         return 2
-    reader = BufferReader(args.dir)
+    if not reader.exists():
+        what = "a directory" if isinstance(reader.root, Path) else "in an existing bucket"
+        print(f"online-opd buffer: {args.dir} is not {what}", file=sys.stderr)
+        return 2
     if args.buffer_command == "stats":
         print(json.dumps(reader.stats(), indent=2))
         return 0

@@ -3,7 +3,9 @@
 Each job is resumable through files in its run directory: rollouts
 (`rollouts.safetensors`), target features (`sequences.safetensors`), text
 sequences with their features and greedy labels (`text_sequences.safetensors`),
-the trainer state, and the output drafter (`drafter/`, vLLM's format).
+the trainer state, and the output drafter (`drafter/`, vLLM's format); a
+data-parallel bootstrap also keeps the drafter its workers start from
+(`init_drafter/`).
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from online_opd.models.drafters.factory import new_drafter
 from online_opd.models.drafters.vocab import count_target_tokens, coverage, select_draft_vocab
 from online_opd.models.target import ensure_embedded_target
 from online_opd.models.target_model import TargetModel
+from online_opd.train import distributed as dp
 from online_opd.train.loop import train
 from online_opd.train.sequences import (
     TrainSequence,
@@ -37,6 +40,9 @@ from serve.signals import stop_on_signals
 
 logger = logging.getLogger(__name__)
 
+SEQUENCES_FILE = "sequences.safetensors"  # rollouts with their target features
+TEXT_SEQUENCES_FILE = "text_sequences.safetensors"  # text with its features and greedy labels
+INIT_DRAFTER = "init_drafter"  # the drafter a data-parallel bootstrap's workers start from
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -101,7 +107,7 @@ def prepare_text_sequences(cfg: OnlineOPDConfig, target: Path, run_dir: Path, la
     """Text sequences with target features and greedy labels, computed once per run directory."""
     if cfg.bootstrap.text_conversations == 0:
         return []
-    path = run_dir / "text_sequences.safetensors"
+    path = run_dir / TEXT_SEQUENCES_FILE
     if path.exists():
         return load_sequences(path, layer_ids)
     sequences = text_sequences(cfg, load_tokenizer(target))
@@ -116,7 +122,7 @@ def prepare_sequences(cfg: OnlineOPDConfig, target: Path, run_dir: Path, layer_i
     """Rollouts plus target features, computed once per run directory."""
     if not cfg.bootstrap.rollouts:
         return []
-    features = run_dir / "sequences.safetensors"
+    features = run_dir / SEQUENCES_FILE
     if features.exists():
         return load_sequences(features, layer_ids)
     rollouts = run_dir / "rollouts.safetensors"
@@ -133,7 +139,9 @@ def prepare_sequences(cfg: OnlineOPDConfig, target: Path, run_dir: Path, layer_i
 
 def bootstrap(cfg: OnlineOPDConfig, run_dir: Path, *, progress: bool = True) -> Path:
     """SFT warm-up of a fresh drafter on target rollouts and/or labelled text (one pool, drawn
-    uniformly); returns the drafter folder."""
+    uniformly), in this process or, with ``bootstrap.num_workers > 1``, on that many data-parallel Ray
+    Train workers (serve/trainer_dp.py) that start from the drafter saved to ``run_dir/init_drafter``
+    and read the sequences from ``run_dir``; returns the drafter folder."""
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "config.json").write_text(json.dumps(cfg.model_dump(mode="json"), indent=2))
     target = resolve_target(cfg, progress=progress)
@@ -150,6 +158,20 @@ def bootstrap(cfg: OnlineOPDConfig, run_dir: Path, *, progress: bool = True) -> 
                            "data.num_prompts / bootstrap.text_conversations")
     vocab = choose_draft_vocab(cfg, drafter, load_tokenizer(target), sequences) \
         if cfg.drafter.init_from is None else {}
+    metrics = {"objective": "sft", "num_sequences": len(sequences),
+               "num_text_sequences": len(sequences) - num_rollouts, **vocab}
+    if cfg.bootstrap.num_workers > 1:
+        from serve.trainer_dp import bootstrap_dp  # imports ray.train
+
+        save_drafter(drafter, run_dir / INIT_DRAFTER)
+        return Path(bootstrap_dp(cfg, run_dir, metrics)["drafter"])
+    return train_sft(cfg, drafter, sequences, run_dir, metrics, progress=progress)
+
+
+def train_sft(cfg: OnlineOPDConfig, drafter, sequences: list[TrainSequence], run_dir: Path, metrics: dict, *,
+              progress: bool = True) -> Path:
+    """The bootstrap's SFT loop in this process: the only one, or one rank of a torch.distributed group
+    (online_opd/train/distributed.py), where rank 0 alone writes the state and the drafter."""
     tcfg = cfg.bootstrap
     if tcfg.num_threads:
         torch.set_num_threads(tcfg.num_threads)
@@ -157,26 +179,30 @@ def bootstrap(cfg: OnlineOPDConfig, run_dir: Path, *, progress: bool = True) -> 
     with stop_on_signals() as stop:
         last = train(_sft_step_fn(drafter, sequences, tcfg, gen), drafter, tcfg, run_dir, progress=progress,
                      desc="bootstrap (SFT)", generator=gen, stop=stop)
+    if not dp.is_main_process():
+        return run_dir / "drafter"
     return save_drafter(drafter, run_dir / "drafter", step=last,
-                        metrics={"objective": "sft", "num_sequences": len(sequences),
-                                 "num_text_sequences": len(sequences) - num_rollouts, **vocab})
+                        metrics={**metrics, "num_workers": dp.world_size()})
 
 
 def _sft_step_fn(drafter, sequences: list[TrainSequence], tcfg: BootstrapConfig, gen: torch.Generator):
-    """One SFT step: `sequences_per_step` sequences drawn uniformly with replacement from the pool."""
+    """One SFT step: `sequences_per_step` sequences drawn uniformly with replacement from the pool.
+    Data-parallel as `opd.replay_records`: every rank draws all picks and anchors, scores its slice."""
 
     def step_fn(step: int):
         picks = torch.randint(len(sequences), (tcfg.sequences_per_step,), generator=gen).tolist()
+        drawn = [(sequences[i], sample_anchors(sequences[i].prompt_len, sequences[i].num_tokens,
+                                               tcfg.anchors_per_sequence, gen)) for i in picks]
+        drawn = [(seq, anchors) for seq, anchors in drawn if len(anchors)]
+        lo, hi = dp.shard_bounds(len(drawn))
         losses, stats = [], []
-        for i in picks:
-            seq = sequences[i]
-            anchors = sample_anchors(seq.prompt_len, seq.num_tokens, tcfg.anchors_per_sequence, gen)
-            if len(anchors):
-                loss, st = sft_loss(drafter, seq, anchors, decay=tcfg.sft_position_decay)
-                losses.append(loss)
-                stats.append(st)
+        for seq, anchors in drawn[lo:hi]:
+            loss, st = sft_loss(drafter, seq, anchors, decay=tcfg.sft_position_decay)
+            losses.append(loss)
+            stats.append(st)
+        stats = dp.gather(stats)
         mean = {k: sum(s[k] for s in stats) / len(stats) for k in stats[0]}
-        return torch.stack(losses).mean(), mean
+        return dp.share_of_mean(losses, len(drawn)), mean
 
     return step_fn
 

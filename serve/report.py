@@ -72,14 +72,19 @@ class RecordPoint:
 # ---------------------------------------------------------------- buffer
 
 
-def load_records(buffer: Path) -> tuple[list[RecordPoint], int]:
-    """Every record of the buffer as ``RecordPoint``s, one per version that drafted pure blocks in it
-    (records.py "Drafter versions"), and the number of corrupt segments skipped."""
+def load_records(buffer: Path | str) -> tuple[list[RecordPoint], int]:
+    """Every record of the buffer (a folder or an ``s3://bucket/prefix`` URI) as ``RecordPoint``s, one
+    per version that drafted pure blocks in it (records.py "Drafter versions"), and the number of
+    corrupt segments skipped."""
     from online_opd.traces.buffer import BufferReader
 
-    if not Path(buffer).is_dir():
-        raise ReportError(f"buffer {buffer} is not a directory")
-    reader = BufferReader(buffer)
+    try:
+        reader = BufferReader(buffer)
+    except ValueError as exc:  # a URI of another scheme
+        raise ReportError(f"buffer: {exc}") from exc
+    if not reader.exists():
+        what = "a directory" if isinstance(reader.root, Path) else "in an existing bucket"
+        raise ReportError(f"buffer {buffer} is not {what}")
     points = [RecordPoint(r.captured_at, version, len(blocks), sum(b.num_accepted for b in blocks))
               for r in reader.iter_records()
               for version, blocks in (pure_blocks_by_version(r) or {r.drafter_version: []}).items()]
@@ -402,7 +407,7 @@ def _draw(out: Path, points: list[RecordPoint] | None, series: dict[str, list[tu
 # ---------------------------------------------------------------- entry points
 
 
-def report(buffer: Path | None, scrapes: Path | None, out: Path, window_s: float = 60.0,
+def report(buffer: Path | str | None, scrapes: Path | None, out: Path, window_s: float = 60.0,
            series: bool = False) -> dict[str, Any]:
     """Draw the PNG at ``out`` and return the summary; ``series`` adds the plotted series.
 
@@ -416,7 +421,7 @@ def report(buffer: Path | None, scrapes: Path | None, out: Path, window_s: float
     result: dict[str, Any] = {"png": str(out), "window_s": window_s}
     points = rolling = scraped = None
     if buffer is not None:
-        points, corrupt = load_records(Path(buffer))
+        points, corrupt = load_records(buffer)
         if not points:
             raise ReportError(f"buffer {buffer} holds no records"
                               + (f" ({corrupt} corrupt segments skipped)" if corrupt else ""))
@@ -460,7 +465,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         description="Draw served acceptance length (tau) over wall time from a trace buffer (per drafter "
                     "version) and/or a scrapes file written by `online-opd scrape` (vLLM counters, "
                     "drafter-version changes, trainer steps). Summary JSON on stdout.")
-    p.add_argument("--buffer", type=Path, default=None, help="trace-buffer directory")
+    p.add_argument("--buffer", default=None, help="trace-buffer directory, or s3://bucket/prefix")
     p.add_argument("--scrapes", type=Path, default=None, help="JSONL written by `online-opd scrape`")
     p.add_argument("--out", type=Path, required=True, help="PNG to write")
     p.add_argument("--window-s", type=float, default=60.0,

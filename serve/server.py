@@ -34,6 +34,7 @@ from pathlib import Path
 from typing import Any
 
 from online_opd.config import OnlineOPDConfig
+from online_opd.traces.storage import canonical_location
 
 logger = logging.getLogger("online_opd.serve")
 
@@ -166,12 +167,13 @@ def serve_env(cfg: OnlineOPDConfig, target: Path, drafter: Path, *, capture: boo
     env.update(v1_runner_env(os.environ))  # capture and reload hook the V1 model runner
     sc = cfg.serve
     env[SERVE_ENV] = EndpointSettings(
-        admin_token_env=sc.admin_token_env, stats_poll_s=sc.stats_poll_s,
+        admin_token_env=sc.admin_token_env, stats_poll_s=sc.stats_poll_s, stats_settle_s=sc.stats_settle_s,
+        stats_idle_poll_s=sc.stats_idle_poll_s,
         registry_dir=str(sc.registry.resolve()), auto_reload=sc.auto_reload and follow_registry,
         reload_poll_s=sc.reload_poll_s,
         live_check_drafts=sc.live_check_drafts, live_check_min_windows=sc.live_check_min_windows,
         live_check_alpha=sc.live_check_alpha, live_check_timeout_s=sc.live_check_timeout_s,
-        rollback_tolerance=sc.rollback_tolerance,
+        rollback_tolerance=sc.rollback_tolerance, trainer_stats_file=str(trainer_stats_path(cfg)),
         policy=PolicySettings(interval_s=sc.policy_interval_s, margin=sc.policy_margin,
                               min_drafts=sc.policy_min_drafts) if sc.speculation == "auto" else None,
     ).model_dump_json()
@@ -181,12 +183,18 @@ def serve_env(cfg: OnlineOPDConfig, target: Path, drafter: Path, *, capture: boo
     c = cfg.capture
     if capture and c.enabled:
         env[CAPTURE_ENV] = CaptureSettings(
-            buffer_dir=str(c.buffer_dir.resolve()), model_id=_model_name(cfg, target),
+            buffer_dir=canonical_location(c.buffer_dir), model_id=_model_name(cfg, target),
             drafter_version=str(read_manifest(drafter).get("version") or drafter.name),
             sample_rate=c.sample_rate, queue_size=c.queue_size, flush_records=c.flush_records,
             flush_interval_s=c.flush_interval_s, max_bytes=c.max_bytes, max_age_s=c.max_age_s,
+            retention_interval_s=c.retention_interval_s,
             replica=replica_name()).to_env()
     return env
+
+
+def trainer_stats_path(cfg: OnlineOPDConfig) -> Path:
+    """Where the trainer's supervisor writes its figures for API servers in processes of their own."""
+    return cfg.serve.run_dir.resolve() / "trainer_stats.json"
 
 
 def replica_name() -> str:
@@ -207,8 +215,9 @@ def start_online_trainer(cfg: OnlineOPDConfig, target: Path):
 
     trainer = TrainerProcess(TrainerSpec(
         config=cfg.model_dump(mode="json"), target_path=str(target),
-        buffer_dir=str(cfg.capture.buffer_dir.resolve()), registry_dir=str(cfg.serve.registry.resolve()),
-        state_dir=str(cfg.online.resolved_state_dir(cfg.serve.run_dir).resolve()), replica=replica_name()))
+        buffer_dir=canonical_location(cfg.capture.buffer_dir), registry_dir=str(cfg.serve.registry.resolve()),
+        state_dir=str(cfg.online.resolved_state_dir(cfg.serve.run_dir).resolve()), replica=replica_name()),
+        stats_file=trainer_stats_path(cfg))
     trainer.start()
     set_trainer_stats(trainer.stats)
     stopped = []
@@ -229,7 +238,7 @@ def serve(cfg: OnlineOPDConfig, *, drafter: Path | None = None, capture: bool = 
           passthrough: list[str] | None = None, progress: bool = True, dry_run: bool = False) -> int:
     """Run the server in this process until it is stopped (SIGINT/SIGTERM: vLLM shuts down)."""
     from serve.pipeline import resolve_target
-    from vllm_patches import check_vllm_version
+    from vllm_patches import check_vllm_version, own_log_handler
     from vllm_patches.model_runner import v1_runner_env
 
     version = check_vllm_version()
@@ -247,7 +256,9 @@ def serve(cfg: OnlineOPDConfig, *, drafter: Path | None = None, capture: bool = 
         print(json.dumps({"argv": ["vllm", *argv], "env": env}, indent=2))
         return 0
     os.environ.update(env)
-    _own_log_handler()
+    own_log_handler(logging.getLogger().getEffectiveLevel())
+    trainer_stats_path(cfg).parent.mkdir(parents=True, exist_ok=True)
+    trainer_stats_path(cfg).unlink(missing_ok=True)  # a previous run's figures are not this one's
     import faulthandler
     import signal
 
@@ -265,18 +276,6 @@ def serve(cfg: OnlineOPDConfig, *, drafter: Path | None = None, capture: bool = 
         if stop_trainer is not None:
             stop_trainer()
     return 0
-
-
-def _own_log_handler() -> None:
-    """vLLM and uvicorn configure logging in this process; give online-opd's loggers their own handler."""
-    ours = logging.getLogger("online_opd")
-    if ours.handlers:
-        return
-    handler = logging.StreamHandler(sys.stderr)
-    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
-    ours.addHandler(handler)
-    ours.setLevel(logging.getLogger().getEffectiveLevel())
-    ours.propagate = False
 
 
 def run_vllm_serve(argv: list[str]) -> None:

@@ -34,6 +34,7 @@ from typing import Any
 import ray
 
 from online_opd.config import OnlineOPDConfig
+from online_opd.traces.storage import canonical_location
 from online_opd.train.online import OnlineTrainer
 
 logger = logging.getLogger("online_opd.trainer_actor")
@@ -55,10 +56,16 @@ class TrainerActor:
     def __init__(self, cfg: dict, target_path: str, buffer_dir: str, registry_dir: str, state_dir: str,
                  autostart: bool = True) -> None:
         logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-        self._trainer = OnlineTrainer(OnlineOPDConfig.model_validate(cfg), target_path=Path(target_path),
-                                      buffer_dir=Path(buffer_dir), registry_dir=Path(registry_dir),
-                                      state_dir=Path(state_dir))
-        self._dirs = {"buffer_dir": str(Path(buffer_dir).resolve()), "registry_dir": str(Path(registry_dir).resolve())}
+        config = OnlineOPDConfig.model_validate(cfg)
+        paths = {"target_path": Path(target_path), "buffer_dir": buffer_dir, "registry_dir": Path(registry_dir),
+                 "state_dir": Path(state_dir)}
+        if config.trainer.num_workers > 1:  # Ray Train workers; imported here: trainer_dp imports this module
+            from serve.trainer_online_dp import DataParallelOnlineTrainer
+
+            self._trainer = DataParallelOnlineTrainer(config, **paths)
+        else:
+            self._trainer = OnlineTrainer(config, **paths)
+        self._dirs = {"buffer_dir": canonical_location(buffer_dir), "registry_dir": str(Path(registry_dir).resolve())}
         self._replicas: dict[str, float] = {}  # replica -> last time it attached or polled (monotonic)
         self._replicas_lock = threading.Lock()  # a threaded actor: calls run concurrently
         self._stop = threading.Event()
@@ -96,7 +103,7 @@ class TrainerActor:
 
     def attach(self, replica: str, buffer_dir: str, registry_dir: str) -> list[str]:
         """A serving replica joins this (shared) trainer; its buffer and registry must be the trainer's."""
-        theirs = {"buffer_dir": str(Path(buffer_dir).resolve()), "registry_dir": str(Path(registry_dir).resolve())}
+        theirs = {"buffer_dir": canonical_location(buffer_dir), "registry_dir": str(Path(registry_dir).resolve())}
         if theirs != self._dirs:
             raise ValueError(f"replica {replica!r} serves with {theirs}, but the cluster's online trainer "
                              f"trains on {self._dirs}: replicas sharing a trainer must share one buffer and "
@@ -146,30 +153,39 @@ def join_auth_env(address: str | None, environ: Mapping[str, str], home: Path) -
 def init_ray(ocfg) -> None:
     """Join ``online.ray_address`` (with token authentication where a token is available), or start
     a local Ray node sized to the trainer, not to the machine. Nothing when Ray is already up."""
+    join_or_start_ray(ocfg.ray_address, num_cpus=ocfg.num_cpus, num_gpus=ocfg.num_gpus)
+
+
+def join_or_start_ray(address: str | None, *, num_cpus: float, num_gpus: float,
+                      resources: Mapping[str, float] | None = None) -> None:
+    """Join the Ray cluster at ``address`` (with token authentication where a token is available), or,
+    for None, start a local Ray node of ``num_cpus``, ``num_gpus`` and custom ``resources``, not the
+    machine's. Nothing when Ray is already up."""
     if ray.is_initialized():
         return
     kwargs: dict[str, Any] = {}
-    if ocfg.ray_address is None:
-        kwargs = {"num_cpus": max(1, math.ceil(ocfg.num_cpus)), "num_gpus": math.ceil(ocfg.num_gpus),
-                  "object_store_memory": LOCAL_OBJECT_STORE_BYTES,
+    if address is None:
+        kwargs = {"num_cpus": max(1, math.ceil(num_cpus)), "num_gpus": math.ceil(num_gpus),
+                  "resources": dict(resources or {}), "object_store_memory": LOCAL_OBJECT_STORE_BYTES,
                   "_system_config": {"gcs_rpc_server_reconnect_timeout_s": LOCAL_GCS_RECONNECT_S}}
     else:
         kwargs = {"namespace": NAMESPACE}  # where every replica finds the one trainer by name
-        auth = join_auth_env(ocfg.ray_address, os.environ, Path.home())
+        auth = join_auth_env(address, os.environ, Path.home())
         if auth:
-            logger.info("joining Ray at %s with token authentication (the token `ray start` saved)",
-                        ocfg.ray_address)
+            logger.info("joining Ray at %s with token authentication (the token `ray start` saved)", address)
             os.environ.update(auth)
             # ray reads RAY_AUTH_MODE into its cached config at import: re-read it, as ray's own
             # "auto" path does (authentication_token_setup._enable_token_auth)
             from ray._raylet import Config
 
             Config.initialize("")
-    ray.init(address=ocfg.ray_address, ignore_reinit_error=True, include_dashboard=False,
+    # "local", not None: None makes ray.init look for a cluster to join (RAY_ADDRESS, the last `ray start`,
+    # or any gcs_server process found by reading every process's command line)
+    ray.init(address=address or "local", ignore_reinit_error=True, include_dashboard=False,
              logging_level=logging.WARNING, **kwargs)
 
 
-def start_trainer(cfg: OnlineOPDConfig, *, target_path: Path, buffer_dir: Path, registry_dir: Path,
+def start_trainer(cfg: OnlineOPDConfig, *, target_path: Path, buffer_dir: Path | str, registry_dir: Path,
                   state_dir: Path, name: str = ACTOR_NAME, replica: str | None = None):
     """Create the trainer actor (starting a local Ray, or joining ``online.ray_address``, if needed).
 
@@ -177,10 +193,17 @@ def start_trainer(cfg: OnlineOPDConfig, *, target_path: Path, buffer_dir: Path, 
     is one trainer for every replica: a named, detached actor in the ``online-opd`` namespace, which
     the first replica creates and later ones find (``get_if_exists``); each attaches as `replica`
     (ValueError when its buffer or registry is not the trainer's) and ``stop_trainer`` stops it only
-    when the last replica leaves. Returns with the actor handle; the actor loads the models and starts
+    when the last replica leaves. With ``trainer.num_workers > 1`` the actor trains on that many Ray Train
+    workers (serve/trainer_online_dp.py). Returns with the actor handle; the actor loads the models and starts
     training by itself. A failure to start shows up as ``trainer_stats`` returning None.
     """
     ocfg = cfg.online
+    if cfg.trainer.num_workers > 1:  # a local Ray holds the actor and its Ray Train workers
+        from serve.trainer_online_dp import worker_resources
+
+        workers = worker_resources(cfg)
+        join_or_start_ray(ocfg.ray_address, num_cpus=ocfg.num_cpus + workers.pop("CPU"),
+                          num_gpus=ocfg.num_gpus + workers.pop("GPU", 0.0), resources=workers)
     init_ray(ocfg)
     actor_cls = ray.remote(num_cpus=ocfg.num_cpus, num_gpus=ocfg.num_gpus, max_restarts=ocfg.max_restarts,
                            max_task_retries=ocfg.max_restarts, max_concurrency=4)(TrainerActor)

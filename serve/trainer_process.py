@@ -23,11 +23,15 @@ cannot answer), restarts the child when it exits on its own (the Ray head
 was killed, or the actor used up its Ray restarts) with a doubling back-off,
 and counts restarts by level: ``actor`` when Ray restarted the actor (its pid
 changed), ``ray`` when the child and its Ray were started again. Each
-restart is logged once, at WARNING or ERROR.
+restart is logged once, at WARNING or ERROR. With ``stats_file`` it also
+writes each line's ``stats()`` there (JSON, with the wall time ``at``): the
+API servers vLLM spawns as processes of their own (``--api-server-count N``)
+read the trainer's figures from it (``vllm_patches.endpoint.read_trainer_stats_file``).
 """
 
 from __future__ import annotations
 
+import faulthandler
 import json
 import logging
 import os
@@ -46,6 +50,9 @@ logger = logging.getLogger("online_opd.trainer_process")
 POLL_S = 1.0  # seconds between the child's stats lines
 STATS_TIMEOUT_S = 5.0  # the child's wait for the actor's answer
 STALE_S = 20.0  # no line for this long: the trainer counts as down
+#: No line for this long (from its start, or since its last line): the child is hung, not slow. It
+#: writes a line every POLL_S once started; starting (imports, a local Ray) takes seconds to a minute.
+HANG_S = 120.0
 EXIT_ACTOR_GONE = 3  # the child's exit code when the actor is dead for good
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -67,14 +74,19 @@ class TrainerProcess:
     """Runs and supervises the trainer child (module docstring); ``stats`` is safe from any thread."""
 
     def __init__(self, spec: TrainerSpec, *, backoff_s: tuple[float, float] = (2.0, 60.0),
-                 stale_s: float = STALE_S, command: list[str] | None = None) -> None:
+                 stale_s: float = STALE_S, hang_s: float = HANG_S, command: list[str] | None = None,
+                 stats_file: Path | None = None) -> None:
         self.spec = spec
+        self.stats_file = stats_file
+        self._is_file_failing = False
         self.command = command or [sys.executable, "-m", "serve.trainer_process"]
         self.backoff_s = backoff_s
         self.stale_s = stale_s
+        self.hang_s = hang_s
         self._lock = threading.Lock()
         self._latest: dict | None = None
         self._latest_at = 0.0
+        self._line_at = 0.0  # the child's latest line, or its start (monotonic)
         self._pid: int | None = None  # the actor's process, to see Ray restart it
         self._restarts = {"actor": 0, "ray": 0}
         self._stopping = threading.Event()
@@ -124,7 +136,7 @@ class TrainerProcess:
                 proc = self._proc = self._spawn()
             reader = threading.Thread(target=self._read, args=(proc.stdout,), daemon=True)
             reader.start()
-            code = proc.wait()
+            code = self._wait(proc)
             _kill_group(proc.pid)  # what its Ray left behind (e.g. agents of a lost head)
             reader.join(5.0)
             with self._lock:
@@ -133,8 +145,8 @@ class TrainerProcess:
                 return
             if time.monotonic() - started > 10 * self.backoff_s[1]:
                 delay = self.backoff_s[0]  # it ran long enough: a fresh failure, not a crash loop
-            why = "its trainer actor is gone for good" if code == EXIT_ACTOR_GONE else \
-                "Ray's head was lost, or it crashed"
+            why = {EXIT_ACTOR_GONE: "its trainer actor is gone for good", -signal.SIGKILL: "it hung, or was killed"}.get(
+                code, "Ray's head was lost, or it crashed")
             logger.error("online trainer process exited with code %s (%s); starting it and Ray again in "
                          "%.0fs (serving is unaffected)", code, why, delay)
             if self._stopping.wait(delay):
@@ -143,11 +155,29 @@ class TrainerProcess:
             with self._lock:
                 self._restarts["ray"] += 1
 
+    def _wait(self, proc: subprocess.Popen) -> int:
+        """The child's exit code. A child silent for ``hang_s`` is hung (it would never come back by
+        itself): its threads' stacks go to the log (SIGUSR1, ``faulthandler``), then it is killed."""
+        while True:
+            try:
+                return proc.wait(timeout=POLL_S)
+            except subprocess.TimeoutExpired:
+                pass
+            with self._lock:
+                silent_s = time.monotonic() - self._line_at
+            if silent_s > self.hang_s and not self._stopping.is_set():
+                logger.error("online trainer process (pid %d) wrote nothing for %.0fs: it is hung; its threads' "
+                             "stacks follow, then it is killed", proc.pid, silent_s)
+                _dump_stacks(proc.pid)
+                proc.kill()
+                return proc.wait()
+
     def _spawn(self) -> subprocess.Popen:
         proc = subprocess.Popen(self.command, cwd=ROOT, text=True, stdin=subprocess.PIPE,
                                 stdout=subprocess.PIPE, bufsize=1, start_new_session=True)
         proc.stdin.write(self.spec.model_dump_json() + "\n")
         proc.stdin.flush()
+        self._line_at = time.monotonic()  # under self._lock (_supervise)
         logger.info("online trainer process started (pid %d)", proc.pid)
         return proc
 
@@ -159,10 +189,12 @@ class TrainerProcess:
                 logger.warning("online trainer process: unreadable line %r", line[:200])
                 continue
             self._observe(stats if isinstance(stats, dict) else None)
+            self._write_stats_file()
 
     def _observe(self, stats: dict | None) -> None:
         with self._lock:
             self._latest, self._latest_at = stats, time.monotonic()
+            self._line_at = self._latest_at
             pid = None if stats is None else stats.get("pid")
             if pid is None:
                 return
@@ -172,6 +204,28 @@ class TrainerProcess:
             self._restarts["actor"] += 1
         logger.warning("online trainer actor restarted by Ray (pid %s -> %s); it resumes from its state",
                        previous, pid)
+
+    def _write_stats_file(self) -> None:
+        if self.stats_file is None:
+            return
+        from online_opd.files import atomic_write_json
+
+        try:
+            atomic_write_json(self.stats_file, {**self.stats(), "at": time.time()})
+            self._is_file_failing = False
+        except OSError as exc:
+            if not self._is_file_failing:
+                logger.warning("cannot write the trainer's stats to %s: %s", self.stats_file, exc)
+            self._is_file_failing = True
+
+
+def _dump_stacks(pid: int, wait_s: float = 2.0) -> None:
+    """Have the child write its threads' stacks to its stderr (the server's log) and give it time to."""
+    try:
+        os.kill(pid, signal.SIGUSR1)
+    except (ProcessLookupError, PermissionError):
+        return
+    time.sleep(wait_s)
 
 
 def _kill_group(pgid: int) -> None:
@@ -208,6 +262,7 @@ def _poll(handle, replica: str | None) -> tuple[dict | None, bool]:
 
 
 def main() -> int:
+    faulthandler.register(signal.SIGUSR1, all_threads=True)  # the supervisor's view into a hung child
     protocol = os.fdopen(os.dup(sys.stdout.fileno()), "w", buffering=1)
     os.dup2(sys.stderr.fileno(), sys.stdout.fileno())  # Ray and stray prints: to the log, not the protocol
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -221,7 +276,7 @@ def main() -> int:
     replica = (spec.replica or default_writer_id(os.getppid())) if cfg.online.ray_address is not None else None
     stop = threading.Event()
     threading.Thread(target=_watch_stdin, args=(stop,), daemon=True).start()
-    handle = start_trainer(cfg, target_path=Path(spec.target_path), buffer_dir=Path(spec.buffer_dir),
+    handle = start_trainer(cfg, target_path=Path(spec.target_path), buffer_dir=spec.buffer_dir,
                            registry_dir=Path(spec.registry_dir), state_dir=Path(spec.state_dir), replica=replica)
     with stop_on_signals(stop=stop):  # after ray.init, which installs handlers of its own
         code = _report(handle, stop, protocol, replica)

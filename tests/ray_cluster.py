@@ -1,8 +1,10 @@
-"""A real Ray head for tests, as a user starts one: `ray start --head --block` in its own session,
-stopped with its whole process group (--block: ray start stops what it started)."""
+"""A real Ray cluster for tests, as a user starts one: `ray start --head --block` (and `ray start
+--address --block` for more raylets) each in its own session, stopped with its whole process group
+(--block: ray start stops what it started)."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import socket
@@ -23,21 +25,39 @@ def free_port() -> int:
 
 
 @contextmanager
-def ray_head(env: dict[str, str], num_cpus: int = 2) -> Iterator[str]:
+def ray_head(env: dict[str, str], num_cpus: int = 2, resources: dict[str, float] | None = None) -> Iterator[str]:
     """Yields the head's address (127.0.0.1:port). Ray's files go to a short temp folder (its socket
     paths have a length limit)."""
     work = Path(tempfile.mkdtemp(prefix="rhead", dir="/tmp"))
     port = free_port()
-    head = subprocess.Popen(
-        [str(RAY), "start", "--head", "--block", f"--port={port}", f"--num-cpus={num_cpus}",
-         "--node-ip-address=127.0.0.1", "--include-dashboard=false", "--disable-usage-stats",
-         f"--temp-dir={work}"],
+    with _raylet(["--head", f"--port={port}", "--include-dashboard=false", f"--temp-dir={work}"], env,
+                 num_cpus, resources):
+        yield f"127.0.0.1:{port}"
+
+
+@contextmanager
+def ray_node(env: dict[str, str], address: str, num_cpus: int = 1,
+             resources: dict[str, float] | None = None) -> Iterator[None]:
+    """A second raylet on this machine joining the head at `address`, as `ray start --address` on
+    another node would."""
+    with _raylet([f"--address={address}"], env, num_cpus, resources):
+        yield
+
+
+@contextmanager
+def _raylet(args: list[str], env: dict[str, str], num_cpus: int,
+            resources: dict[str, float] | None) -> Iterator[None]:
+    """`ray start --block ARGS` in its own session, stopped with its whole process group."""
+    extra = [f"--resources={json.dumps(resources)}"] if resources else []
+    node = subprocess.Popen(
+        [str(RAY), "start", "--block", *args, f"--num-cpus={num_cpus}", "--node-ip-address=127.0.0.1",
+         "--disable-usage-stats", *extra],
         env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
     try:
-        yield f"127.0.0.1:{port}"
+        yield
     finally:
-        os.killpg(head.pid, signal.SIGTERM)
+        os.killpg(node.pid, signal.SIGTERM)
         try:
-            head.wait(60)
+            node.wait(60)
         except subprocess.TimeoutExpired:
-            os.killpg(head.pid, signal.SIGKILL)
+            os.killpg(node.pid, signal.SIGKILL)

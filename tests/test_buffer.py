@@ -1,5 +1,5 @@
 """The trace buffer on real files: round trips, atomic checksummed segments,
-corrupt segments skipped and counted, retention, the non-blocking writer
+corrupt segments skipped, counted and quarantined, retention, the non-blocking writer
 thread, tailing, figures, and the `buffer` CLI."""
 
 from __future__ import annotations
@@ -139,11 +139,6 @@ def test_torn_bitflipped_and_unparseable_segments_are_skipped_and_counted(tmp_pa
      ).write_bytes(garbage)
 
     reader = BufferReader(tmp_path)
-    with caplog.at_level(logging.WARNING, logger="online_opd.traces.buffer"):
-        assert [r.record_id for r in reader.iter_records()] == ["req-0", "req-1"]
-        assert [r.record_id for r in reader.iter_records()] == ["req-0", "req-1"]
-    assert len(reader.corrupt) == 3 and {torn.name, flipped.name} < set(reader.corrupt)
-    assert len([r for r in caplog.records if r.levelno == logging.WARNING]) == 3  # once per segment
     by_name = {s.name: s for s in reader.segments()}
     for path in (torn, flipped):
         with pytest.raises(CorruptSegment, match="sha256"):
@@ -151,6 +146,34 @@ def test_torn_bitflipped_and_unparseable_segments_are_skipped_and_counted(tmp_pa
     with pytest.raises(CorruptSegment, match="does not parse"):
         reader.read_segment(reader.segments()[-1])
     assert reader.read_segment(by_name[good.name])[0] == make_record(0)
+    with caplog.at_level(logging.WARNING, logger="online_opd.traces.buffer"):
+        assert [r.record_id for r in reader.iter_records()] == ["req-0", "req-1"]
+        assert [r.record_id for r in reader.iter_records()] == ["req-0", "req-1"]
+    assert len(reader.corrupt) == 3 and {torn.name, flipped.name} < set(reader.corrupt)
+    skipped = [r for r in caplog.records if r.getMessage().startswith("buffer: skipping")]
+    assert len(skipped) == 3  # once per segment
+    moved = sorted(set(by_name) - {good.name})  # out of the listing, kept in quarantine/ for inspection
+    assert reader.quarantined == set(moved) and sorted(os.listdir(tmp_path / "quarantine")) == moved
+    assert [s.name for s in BufferReader(tmp_path).segments()] == [good.name]
+
+
+def test_quarantined_segments_are_kept_for_inspection_within_the_bounds(tmp_path):
+    writer = SegmentWriter(tmp_path, writer_id="w", max_age_s=3600)
+    now = time.time()
+    old = rename_to_ms(writer.write([make_record(0)]), int((now - 7200) * 1000))
+    young = writer.write([make_record(1)])
+    live = writer.write([make_record(2)])
+    for path in (old, young):
+        path.write_bytes(path.read_bytes()[:10])  # torn
+    reader = BufferReader(tmp_path)
+    assert [r.record_id for r in reader.iter_records()] == ["req-2"]
+    assert sorted(os.listdir(tmp_path / "quarantine")) == sorted([old.name, young.name])
+    result = writer.enforce_retention(now=now)
+    assert (result["deleted_quarantined"], result["deleted_segments"], result["segments"]) == (1, 0, 1)
+    assert os.listdir(tmp_path / "quarantine") == [young.name] and live.exists()
+    writer.max_bytes = 0  # the quarantine alone is over the byte bound: its oldest go first
+    assert writer.enforce_retention(now=now)["deleted_quarantined"] == 1
+    assert os.listdir(tmp_path / "quarantine") == []
 
 
 def test_tmp_and_foreign_files_are_ignored_and_stale_tmp_removed(tmp_path):
@@ -178,7 +201,7 @@ def test_retention_by_bytes_deletes_oldest_first(tmp_path):
     writer.max_bytes = sizes[3] + sizes[4]
     result = writer.enforce_retention()
     assert result == {"deleted_segments": 3, "deleted_bytes": sum(sizes[:3]), "deleted_tmp": 0,
-                      "segments": 2, "bytes": sizes[3] + sizes[4]}
+                      "deleted_quarantined": 0, "segments": 2, "bytes": sizes[3] + sizes[4]}
     assert [s.path for s in BufferReader(tmp_path).segments()] == paths[3:]
     assert (writer.segments, writer.bytes) == (2, sizes[3] + sizes[4])
 
@@ -224,6 +247,21 @@ def test_writer_flushes_by_count_and_by_interval(tmp_path):
     finally:
         writer.close(timeout=5)
     assert [len(BufferReader(tmp_path).read_segment(s)) for s in BufferReader(tmp_path).segments()] == [2, 1]
+
+
+@pytest.mark.parametrize("interval_s, segments_left", [(0.0, 0), (3600.0, 2)])
+def test_retention_runs_at_most_every_retention_interval(tmp_path, interval_s, segments_left):
+    """A byte bound smaller than one segment: retention after every write deletes each segment; with
+    an hour between passes only the first write's pass runs, and the next two segments stay."""
+    writer = BufferWriter(tmp_path, writer_id="w", flush_records=1, flush_interval_s=0.05, max_bytes=1,
+                          retention_interval_s=interval_s)
+    try:
+        for i in range(3):
+            writer.submit(make_record(i))
+            wait_for(lambda: writer.stats()["written_records"] == i + 1)
+    finally:
+        writer.close(timeout=5)
+    assert len(BufferReader(tmp_path).segments()) == segments_left
 
 
 def test_writer_holds_records_while_writes_fail_and_writes_them_once_it_can(tmp_path, caplog):
@@ -293,8 +331,10 @@ def test_stats_figures_on_hand_made_records(tmp_path):
     bad = writer.write([make_record(4, captured_at=100.0)])
     bad.write_bytes(b"torn")
     stats = BufferReader(tmp_path).stats()
-    assert (stats["segments"], stats["records"], stats["corrupt_segments"]) == (3, 4, 1)
-    assert stats["bytes"] == sum(p.stat().st_size for p in tmp_path.iterdir())
+    assert (stats["segments"], stats["records"], stats["corrupt_segments"]) == (2, 4, 1)
+    assert stats["bytes"] == sum(p.stat().st_size for p in tmp_path.iterdir() if p.is_file())
+    again = BufferReader(tmp_path).stats()  # the torn segment was quarantined: still counted as corrupt
+    assert (again["segments"], again["corrupt_segments"], again["quarantined_segments"]) == (2, 1, 1)
     assert (stats["oldest_captured_at"], stats["newest_captured_at"]) == (100.0, 103.0)
     assert stats["records_per_replica"] == {"a_1": 1, "b_2": 1, "unknown": 2}
     versions = stats["drafter_versions"]

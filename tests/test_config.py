@@ -257,6 +257,19 @@ def test_cross_field_checks():
         load_config(overrides=["model.max_model_len=128", "data.max_new_tokens=256"])
 
 
+def test_data_parallel_workers_need_a_sequence_each_and_ray_to_place_their_gpus():
+    cfg = load_config(overrides=["trainer.num_workers=4", "trainer.sequences_per_step=4", "trainer.device=cuda"])
+    assert cfg.trainer.num_workers == 4 and cfg.bootstrap.num_workers == 1
+    with pytest.raises(ConfigError, match=r"trainer: num_workers=4 needs sequences_per_step >= num_workers.*got 3"):
+        load_config(overrides=["trainer.num_workers=4", "trainer.sequences_per_step=3"])
+    with pytest.raises(ConfigError, match=r"trainer: num_workers=2 runs on device 'cpu' or 'cuda'.*'cuda:1'"):
+        load_config(overrides=["trainer.num_workers=2", "trainer.device=cuda:1"])
+    with pytest.raises(ConfigError, match=r"bootstrap: num_workers=2: the bootstrap trains on the CPU.*'cuda'"):
+        load_config(overrides=["bootstrap.num_workers=2", "bootstrap.device=cuda"])
+    with pytest.raises(ConfigError, match=r"trainer\.worker_resources: worker_resources\['CPU'\] = -1\.0"):
+        load_config(overrides=["trainer.worker_resources={CPU: -1}"])
+
+
 def test_file_errors(tmp_path: Path):
     with pytest.raises(ConfigError, match="not found"):
         load_config(tmp_path / "missing.yaml")

@@ -266,6 +266,14 @@ def test_a_fresh_drafter_that_never_speculated_learns_from_plain_records(world, 
     assert summary["tau_candidate"] > summary["tau_serving"] + 0.05, summary
 
 
+def wait_until(condition, what: str, timeout: float = 60.0) -> None:
+    """Poll ``condition`` until it holds; fail naming ``what`` after ``timeout`` seconds (each wait has its own)."""
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, f"not reached in {timeout:.0f}s: {what}"
+        time.sleep(0.02)
+
+
 def test_a_repeating_failure_is_logged_once_per_occurrence_and_counted_each_time(world, tmp_path, caplog):
     import logging
 
@@ -282,22 +290,25 @@ def test_a_repeating_failure_is_logged_once_per_occurrence_and_counted_each_time
     def point_current_at(version: str) -> None:  # as a crash-unsafe promote would leave it
         atomic_write_json(paths["registry_dir"] / "CURRENT", {"version": version, "since": 0, "reason": "test"})
 
+    def num_step_failures_logged() -> int:
+        return sum(r.levelno >= logging.ERROR and "step failed at step" in r.getMessage() for r in caplog.records)
+
     stop = threading.Event()
     thread = threading.Thread(target=trainer.run, args=(stop,))
     with caplog.at_level(logging.DEBUG, logger="online_opd.train.online"):
         point_current_at(torn)
         thread.start()
         for _ in range(2):  # two occurrences, each failing many polls in a row
-            deadline, target = time.monotonic() + 30, trainer.stats()["errors"] + 5
-            while trainer.stats()["errors"] < target and time.monotonic() < deadline:
-                time.sleep(0.02)
+            target = trainer.stats()["errors"] + 5
+            wait_until(lambda: trainer.stats()["errors"] >= target, "five failures in a row")
             errors = trainer.stats()["errors"]
             point_current_at("v0001")
-            while trainer.stats()["status"] != "training" and time.monotonic() < deadline:
-                time.sleep(0.02)
+            wait_until(lambda: trainer.stats()["status"] == "training", "training again on v0001")
+            logged = num_step_failures_logged()
             point_current_at(torn)
-            while trainer.stats()["errors"] == errors and time.monotonic() < deadline:
-                time.sleep(0.02)
+            # the gate may fail first on the torn CURRENT (a failure of its own, logged too): wait for the step
+            wait_until(lambda: num_step_failures_logged() > logged, "the step failing again on the torn version")
+            assert trainer.stats()["errors"] > errors
         stop.set()
         thread.join(30)
     # the gate, when it happens to run against the torn CURRENT, fails (and is logged) on its own account

@@ -367,3 +367,23 @@ def _greedy_gaps(drafter, feats: torch.Tensor, tokens: torch.Tensor, blocks: lis
     served = torch.tensor([b.draft_tokens for b in blocks])  # [M, K]
     gaps = logits.max(-1).values - logits.gather(-1, served[..., None])[..., 0]
     return gaps.max(-1).values.tolist()
+
+
+def test_an_idle_engine_is_not_polled_into_busy_waiting(server):
+    """The server polls its workers (``collective_rpc``) every ``stats_poll_s`` (0.5 s here) only while
+    the engine works and ``stats_settle_s`` (30 s) after; then once a minute. Each poll makes vLLM's
+    worker busy-wait on its message queue for about a second, so at 0.5 s it used to spin a whole
+    core forever: the core its OpenMP threads are bound to, where a process starting on the machine
+    (MKL pins itself to every core in turn when torch is imported) then waited for minutes."""
+    import psutil
+
+    workers = [p for p in psutil.Process(server.proc.pid).children(recursive=True) if p.name() == "VLLM::Worker"]
+    assert workers, "no VLLM::Worker process under the server"
+    time.sleep(35)  # the previous test's traffic is past the settle window
+    before = [w.cpu_times() for w in workers]
+    wall = 10.0
+    time.sleep(wall)
+    busy = max((a.user + a.system) - (b.user + b.system) for a, b in zip([w.cpu_times() for w in workers], before))
+    assert busy < 0.3 * wall, f"an idle engine's worker used {busy:.1f} s of CPU in {wall:.0f} s"
+    # the figures polled before the engine went idle are still served
+    assert server.metrics().get("online_opd_drafter_version") is not None

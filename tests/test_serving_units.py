@@ -222,3 +222,48 @@ def test_records_and_the_shared_trainer_name_the_replica_alike(tmp_path):
 
     env = serve_env(load_config(None, [f"capture.buffer_dir={tmp_path / 'buf'}"]), tmp_path, tmp_path, capture=True)
     assert _json.loads(env[CAPTURE_ENV])["replica"] == replica_name() == default_writer_id()
+
+
+def test_the_poll_pacer_polls_a_working_engine_and_rarely_an_idle_one():
+    from vllm_patches.metrics import PollPacer
+
+    pacer = PollPacer(settle_s=30, idle_poll_s=60)
+
+    def tick(now: float, activity: tuple) -> bool:
+        due = pacer.due(now, activity)
+        if due:
+            pacer.polled(now)
+        return due
+
+    idle = (0.0, 0.0, 0.0, 0.0)
+    assert tick(0.0, idle)  # the first poll: the engine's figures at start
+    assert not any(tick(t, idle) for t in (0.5, 1.0, 30.0, 59.5))  # a fresh engine is idle
+    assert tick(60.0, idle)  # ... polled once a minute
+    assert tick(60.5, (10.0, 1.0, 1.0, 0.0))  # a request: every tick
+    assert tick(61.0, (10.0, 5.0, 1.0, 0.0))
+    assert tick(61.5, (10.0, 9.0, 0.0, 0.0))  # it finished: its last tokens moved the counters
+    assert all(tick(61.5 + 0.5 * i, (10.0, 9.0, 0.0, 0.0)) for i in range(1, 61))  # settling: 30 s
+    assert not tick(92.0, (10.0, 9.0, 0.0, 0.0))
+    assert not tick(151.0, (10.0, 9.0, 0.0, 0.0))
+    assert tick(152.0, (10.0, 9.0, 0.0, 0.0))  # idle again: 60 s after the last poll
+
+
+def test_engine_activity_reads_vllm_token_counters_and_request_gauges():
+    from prometheus_client import CollectorRegistry, Counter, Gauge
+
+    from vllm_patches.metrics import ACTIVITY_SERIES, engine_activity, sample_sums
+
+    def activity(registry):
+        return engine_activity(sample_sums(registry, ACTIVITY_SERIES))
+
+    registry = CollectorRegistry()
+    prompt = Counter("vllm:prompt_tokens", "", ["engine"], registry=registry)
+    running = Gauge("vllm:num_requests_running", "", ["engine"], registry=registry)
+    Counter("vllm:generation_tokens", "", ["engine"], registry=registry)
+    start = activity(registry)
+    assert activity(registry) == start
+    prompt.labels("0").inc(7)
+    prompt.labels("1").inc(3)
+    assert activity(registry)[0] == start[0] + 10
+    running.labels("0").set(1)
+    assert activity(registry)[2] == 1

@@ -12,6 +12,7 @@ import time
 import psutil
 
 from serve.trainer_process import TrainerProcess, TrainerSpec
+from vllm_patches.endpoint import read_trainer_stats_file
 
 # Run 1 starts a process that outlives it, reports actor pid 11, then 12 (Ray restarted the actor), then
 # null (restarting), then exits 1 (its Ray head is gone). Run 2 reports pid 21 until "stop" arrives on stdin.
@@ -45,7 +46,9 @@ def wait_for(condition, timeout: float = 20.0) -> None:
 
 def test_restarts_are_counted_and_stop_reaches_the_child(tmp_path, caplog):
     spec = TrainerSpec(config={}, target_path="t", buffer_dir="b", registry_dir="r", state_dir=str(tmp_path))
-    trainer = TrainerProcess(spec, backoff_s=(0.1, 0.1), command=[sys.executable, "-c", CHILD])
+    stats_file = tmp_path / "trainer_stats.json"
+    trainer = TrainerProcess(spec, backoff_s=(0.1, 0.1), command=[sys.executable, "-c", CHILD],
+                             stats_file=stats_file)
     assert trainer.stats() == {"up": False, "restarts": {"actor": 0, "ray": 0}}  # not started yet
     with caplog.at_level(logging.WARNING, logger="online_opd.trainer_process"):
         trainer.start()
@@ -53,6 +56,9 @@ def test_restarts_are_counted_and_stop_reaches_the_child(tmp_path, caplog):
         stats = trainer.stats()
         assert stats["up"] and stats["steps"] == 5
         assert stats["restarts"] == {"actor": 1, "ray": 1}
+        # what API servers in processes of their own read (vllm_patches/endpoint.py)
+        assert read_trainer_stats_file(stats_file) == stats
+        assert read_trainer_stats_file(stats_file, stale_s=-1.0) == {"up": False, "restarts": stats["restarts"]}
         orphan = psutil.Process(int((tmp_path / "orphan").read_text())) if psutil.pid_exists(
             int((tmp_path / "orphan").read_text())) else None
         assert orphan is None or orphan.status() == psutil.STATUS_ZOMBIE  # killed with run 1's group
@@ -73,3 +79,48 @@ def test_figures_older_than_stale_s_read_as_down(tmp_path):
     assert trainer.stats() == {"up": False, "restarts": {"actor": 0, "ray": 0}}
     trainer._observe(None)  # the child answers, the actor does not
     assert not trainer.stats()["up"]
+
+
+def test_a_missing_or_unreadable_stats_file_reads_as_none(tmp_path):
+    assert read_trainer_stats_file(tmp_path / "absent.json") is None
+    (tmp_path / "torn.json").write_text('{"up": tr')
+    assert read_trainer_stats_file(tmp_path / "torn.json") is None
+
+
+# Run 1 hangs before its first line (as a child stuck starting Ray would), in a function the stack dump
+# must name; run 2 reports every 0.2 s until "stop".
+HUNG_CHILD = r"""
+import faulthandler, json, signal, sys, time
+from pathlib import Path
+faulthandler.register(signal.SIGUSR1, all_threads=True)
+spec = json.loads(sys.stdin.readline())
+runs = Path(spec["state_dir"]) / "runs"
+run = int(runs.read_text()) + 1 if runs.exists() else 1
+runs.write_text(str(run))
+def stuck_starting_ray():
+    time.sleep(3600)
+if run == 1:
+    stuck_starting_ray()
+import threading
+stop = threading.Event()
+threading.Thread(target=lambda: (sys.stdin.readline(), stop.set()), daemon=True).start()
+while not stop.wait(0.2):  # a line every 0.2 s, as the real child writes one every POLL_S
+    print(json.dumps({"pid": 31, "steps": 1}), flush=True)
+"""
+
+
+def test_a_hung_child_has_its_stacks_logged_and_is_replaced(tmp_path, caplog, capfd):
+    spec = TrainerSpec(config={}, target_path="t", buffer_dir="b", registry_dir="r", state_dir=str(tmp_path))
+    trainer = TrainerProcess(spec, backoff_s=(0.1, 0.1), hang_s=1.5, command=[sys.executable, "-c", HUNG_CHILD])
+    with caplog.at_level(logging.ERROR, logger="online_opd.trainer_process"):
+        trainer.start()
+        wait_for(lambda: trainer.stats().get("pid") == 31)
+        assert trainer.stats()["restarts"] == {"actor": 0, "ray": 1}
+        time.sleep(2.0)  # a child that writes its lines is not hung however long it runs
+        assert trainer.stats()["up"] and trainer.stats()["restarts"]["ray"] == 1
+        trainer.stop(timeout=10)
+    assert (tmp_path / "runs").read_text() == "2"
+    messages = [r.getMessage() for r in caplog.records]
+    assert sum("it is hung" in m for m in messages) == 1, messages
+    assert sum("it hung, or was killed" in m for m in messages) == 1, messages
+    assert "in stuck_starting_ray" in capfd.readouterr().err  # the child's own stacks, from faulthandler

@@ -31,6 +31,7 @@ SUPPORTED_VLLM = ("0.32.0", "0.33.0")
 CAPTURE_ENV = "ONLINE_OPD_CAPTURE"
 #: JSON speculation-control settings for the engine core (see speculation.SpeculationSettings).
 SPECULATION_ENV = "ONLINE_OPD_SPECULATION"
+SERVE_ENV = "ONLINE_OPD_SERVE"  # the endpoint plugin's settings (endpoint.py)
 
 
 class UnsupportedVLLMVersion(RuntimeError):
@@ -55,11 +56,30 @@ def check_vllm_version(version: str | None = None, bounds: tuple[str, str] = SUP
     return version
 
 
+def own_log_handler(level: int | str | None = None) -> None:
+    """Give online-opd's loggers their own stderr handler (vLLM and uvicorn configure only theirs).
+
+    ``online-opd serve`` calls it in its process; vLLM processes it spawns (API servers with
+    ``--api-server-count N``) call it from ``register``, at vLLM's own level (``VLLM_LOGGING_LEVEL``)."""
+    import sys
+
+    ours = logging.getLogger("online_opd")
+    if ours.handlers:
+        return
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    ours.addHandler(handler)
+    ours.setLevel(level if level is not None else os.environ.get("VLLM_LOGGING_LEVEL", "INFO").upper())
+    ours.propagate = False
+
+
 def register() -> None:
     """``vllm.general_plugins`` entry point: CPU kernel fixes always, the capture hook when configured."""
     from vllm_patches import cpu_fixes
 
     cpu_fixes.apply()
+    if any(os.environ.get(name) for name in (SPECULATION_ENV, CAPTURE_ENV, SERVE_ENV)):
+        own_log_handler()  # a process vLLM spawned for online-opd serve has none yet
     if os.environ.get(SPECULATION_ENV):
         check_vllm_version()
         from vllm_patches import speculation

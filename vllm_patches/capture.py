@@ -64,7 +64,6 @@ import threading
 import time
 import uuid
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any, NamedTuple
 
 import torch
@@ -92,6 +91,7 @@ class CaptureSettings(BaseModel):
     flush_interval_s: float = 5.0
     max_bytes: int | None = None
     max_age_s: float | None = None
+    retention_interval_s: float = 0.0
     writer_id: str = ""
     replica: str = ""  # the serving replica's name in records; "" = the writer id
     seed: int | None = None
@@ -320,9 +320,10 @@ class Capture:
         if self._writer is None:  # started lazily: only the capturing process runs a writer thread
             s = self.settings
             self._writer = BufferWriter(
-                Path(s.buffer_dir), writer_id=s.writer_id or None,
+                s.buffer_dir, writer_id=s.writer_id or None,
                 maxsize=s.queue_size, flush_records=s.flush_records,
-                flush_interval_s=s.flush_interval_s, max_bytes=s.max_bytes, max_age_s=s.max_age_s)
+                flush_interval_s=s.flush_interval_s, max_bytes=s.max_bytes, max_age_s=s.max_age_s,
+                retention_interval_s=s.retention_interval_s)
         return self._writer
 
 

@@ -17,6 +17,8 @@
   that version only if it is still CURRENT (``rollback(expected_current=...)``;
   otherwise it is only marked bad). An admin reload pins its drafter: the
   reloader leaves it serving until CURRENT next changes, then follows CURRENT.
+  The pin is kept in the engine beside the version (``online_opd_status``), so
+  it holds whichever API server took the admin call.
   A CURRENT it cannot read or serve (torn, hand-edited, naming a missing
   version) is counted (``online_opd_registry_errors_total``) and repaired by
   the registry's ``check()`` (``online_opd_registry_repairs_total``).
@@ -31,6 +33,14 @@
   measured step costs and the serving drafter's acceptance, periodically and
   after every reload; its figures are the ``online_opd_spec_*`` and
   ``online_opd_policy_*`` series.
+
+- With several API servers (``--api-server-count N``; data parallelism starts
+  one per rank) each is a process with its own plugin object. API server 0
+  alone polls the engine and runs the reloader, the live check and the policy
+  loop; the others serve the admin routes. Their /metrics is prometheus-client's
+  multiprocess view, so API server 0 mirrors its collectors into it
+  (``MultiprocessMirror``), and the trainer's figures come from the file the
+  server's trainer supervisor writes (``trainer_stats_file``).
 
 vLLM loads endpoint plugins only when they are named in ``VLLM_PLUGINS``;
 ``online-opd serve`` does that. Settings come as JSON in ``ONLINE_OPD_SERVE``.
@@ -52,21 +62,29 @@ from fastapi import APIRouter, Depends, HTTPException, Request
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict
 
-from online_opd.release.live_check import UNDECIDED, LiveCheck, decide_live_check, has_enough
+from vllm_patches import SERVE_ENV
 from vllm_patches.metrics import (
+    ACTIVITY_SERIES,
+    SPEC_SERIES,
+    MultiprocessMirror,
     PolledCollector,
+    PollPacer,
     ServedAcceptance,
     SpeculationCollector,
     TrainerCollector,
+    engine_activity,
+    is_multiprocess,
+    sample_sums,
     server_metrics,
     spec_totals,
 )
+from vllm_patches.reloader import RegistryFollower
 from vllm_patches.speculation_loop import PolicySettings, SpeculationPolicyLoop
 
 logger = logging.getLogger("online_opd.endpoint")
 
-SERVE_ENV = "ONLINE_OPD_SERVE"
 ROUTE_PREFIX = "/online-opd/v1"
+TRAINER_STALE_S = 20.0  # a trainer stats file this old: the trainer counts as down
 
 #: Reads the online trainer's stats (None while it cannot answer). `online-opd serve` installs it in
 #: this process; the hook layer never imports the serving layer, it is handed a plain callable.
@@ -78,11 +96,72 @@ def set_trainer_stats(read_stats: Callable[[], dict | None] | None) -> None:
     _TRAINER_STATS = read_stats
 
 
+def read_trainer_stats_file(path: str | Path, stale_s: float = TRAINER_STALE_S) -> dict | None:
+    """The trainer's figures the server's supervisor writes each second (serve/trainer_process.py),
+    for API servers in processes of their own; ``up`` False once older than ``stale_s``; None while
+    there is no readable file."""
+    try:
+        stats = json.loads(Path(path).read_text())
+    except (OSError, json.JSONDecodeError):
+        return None
+    if not isinstance(stats, dict):
+        return None
+    if time.time() - float(stats.pop("at", 0.0)) > stale_s:
+        return {"up": False, "restarts": stats.get("restarts")}
+    return stats
+
+
+#: capture and writer counters: summed over engines (data parallelism runs one capture per engine)
+_SUMMED = ("requests_seen", "captured", "dropped", "opted_out", "not_sampled", "blocks", "errors", "in_flight",
+           "submitted", "written_records", "written_segments", "write_errors", "held", "queued")
+#: figures of the shared buffer folder each writer tallies whole: the largest is the freshest
+_LARGEST = ("buffer_bytes", "buffer_segments")
+
+
+def merge_engine_statuses(per_engine: list[dict]) -> dict | None:
+    """One status from every engine's ``online_opd_status`` (one per data-parallel rank): engine 0's
+    version and path, capture and writer counters summed, buffer figures the largest; ``versions``
+    lists them all when the engines disagree (a reload that failed on some)."""
+    if not per_engine:
+        return None
+    first = per_engine[0]
+    captures = [e["capture"] for e in per_engine if e.get("capture")]
+    out = dict(first)
+    if captures:
+        out["capture"] = _merge_counts(captures)
+        writers = [c["writer"] for c in captures if c.get("writer")]
+        if writers:
+            out["capture"]["writer"] = _merge_counts(writers)
+    versions = [e.get("version") for e in per_engine]
+    if len(set(versions)) > 1:
+        out["versions"] = versions
+    return out
+
+
+def _merge_counts(parts: list[dict]) -> dict:
+    out = dict(parts[0])
+    for key in _SUMMED:
+        if any(key in p for p in parts):
+            out[key] = sum(p.get(key) or 0 for p in parts)
+    for key in _LARGEST:
+        if any(key in p for p in parts):
+            out[key] = max(p.get(key) or 0 for p in parts)
+    return out
+
+
+def api_server_rank(engine_client: Any) -> tuple[int, int]:
+    """(this API server's index, the number of API servers) from vLLM's engine-core client."""
+    core = getattr(engine_client, "engine_core", None)
+    return int(getattr(core, "client_index", 0)), int(getattr(core, "client_count", 1))
+
+
 class EndpointSettings(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     admin_token_env: str = "ONLINE_OPD_ADMIN_TOKEN"
     stats_poll_s: float = 5.0
+    stats_settle_s: float = 30.0
+    stats_idle_poll_s: float = 60.0
     registry_dir: str | None = None
     auto_reload: bool = False
     reload_poll_s: float = 5.0
@@ -92,6 +171,7 @@ class EndpointSettings(BaseModel):
     live_check_timeout_s: float = 600.0
     rollback_tolerance: float = 0.02
     policy: PolicySettings | None = None  # serve.speculation auto: the policy loop (speculation_loop.py)
+    trainer_stats_file: str | None = None  # written by the server's trainer supervisor (read_trainer_stats_file)
 
     @classmethod
     def from_env(cls) -> "EndpointSettings":
@@ -107,7 +187,7 @@ class ReloadRequest(BaseModel):
     sha256: str | None = None
 
 
-class OnlineOPDService:
+class OnlineOPDService(RegistryFollower):
     """Engine access shared by the admin routes, /metrics and the reloader."""
 
     def __init__(self, engine_client: Any, settings: EndpointSettings):
@@ -120,170 +200,100 @@ class OnlineOPDService:
         self.trainer: dict | None = None
         self.served = ServedAcceptance()
         self._reload_lock = asyncio.Lock()
-        self._pinned_current: str | None = None  # registry CURRENT when an admin reload pinned the drafter
         self._is_registry_broken = False  # CURRENT unusable and check() could not repair it (logged once)
-        self._prom = prom = get_prometheus_registry()
-        self.metrics = server_metrics(prom)
-        prom.register(PolledCollector(lambda: self.latest))
-        prom.register(TrainerCollector(lambda: self.trainer))
+        self._prom = get_prometheus_registry()
+        self.metrics = server_metrics(self._prom)
+        self.rank, self.num_api_servers = api_server_rank(engine_client)
+        self.speculation: SpeculationPolicyLoop | None = None
+        self.mirror: MultiprocessMirror | None = None
+        self._tasks: list[asyncio.Task] = []
+        if self.rank != 0:
+            logger.info("API server %d of %d: admin routes only (API server 0 polls, reloads and sets the "
+                        "speculation schedule)", self.rank, self.num_api_servers)
+            return
         served = self.served
 
         class _Served(Collector):
             def collect(self):
                 yield served.collect_family()
 
-        prom.register(_Served())
-        loop = asyncio.get_running_loop()
-        self._tasks = [loop.create_task(self._poll_forever())]
-        if settings.auto_reload and settings.registry_dir:
-            self._tasks.append(loop.create_task(self._reload_forever()))
-        self.speculation: SpeculationPolicyLoop | None = None
+        collectors = [PolledCollector(lambda: self.latest), TrainerCollector(lambda: self.trainer), _Served()]
         if settings.policy is not None:
             self.speculation = SpeculationPolicyLoop(
                 engine_client, settings.policy, lambda: (self.version, (self.latest or {}).get("path")))
-            prom.register(SpeculationCollector(lambda: self.speculation.latest))
+            collectors.append(SpeculationCollector(lambda: self.speculation.latest))
+        self._start(collectors)
+
+    def _start(self, collectors: list) -> None:
+        """API server 0: expose the collectors (mirrored in multiprocess mode) and start the loops."""
+        if is_multiprocess():
+            self.mirror = MultiprocessMirror(collectors)
+            logger.info("API server 0 of %d polls the engine, runs the reloader and mirrors online-opd's "
+                        "figures into the multiprocess /metrics", self.num_api_servers)
+        else:
+            for collector in collectors:
+                self._prom.register(collector)
+        loop = asyncio.get_running_loop()
+        self._tasks.append(loop.create_task(self._poll_forever()))
+        if self.settings.auto_reload and self.settings.registry_dir:
+            self._tasks.append(loop.create_task(self._reload_forever()))
+        if self.speculation is not None:
             self._tasks.append(loop.create_task(self.speculation.run_forever()))
 
     @property
     def version(self) -> str | None:
         return (self.latest or {}).get("version")
 
+    async def rpc_all(self, method: str, args: tuple = ()) -> list[list[dict]]:
+        """``collective_rpc`` on every engine, one list of worker results per engine. With data
+        parallelism vLLM's own ``collective_rpc`` reaches every engine but returns engine 0's only."""
+        call_all = getattr(getattr(self.engine, "engine_core", None), "call_utility_all_async", None)
+        if call_all is None:
+            return [await self.engine.collective_rpc(method, args=args)]
+        return list(await call_all("collective_rpc", method, None, args, None))
+
+    async def engine_status(self) -> dict | None:
+        per_engine = []
+        for workers in await self.rpc_all("online_opd_status"):
+            # the capturing rank reports capture figures; any rank reports the version
+            status = next((r for r in workers if r.get("capture")), workers[0] if workers else None)
+            if status is not None:
+                per_engine.append(status)
+        return merge_engine_statuses(per_engine)
+
     async def status(self) -> dict | None:
-        results = await self.engine.collective_rpc("online_opd_status")
-        # the capturing rank reports capture figures; any rank reports the version
-        self.latest = next((r for r in results if r.get("capture")), results[0] if results else None)
+        self.latest = await self.engine_status()
         self.served.update(self.version, *spec_totals(self._prom))
         return self.latest
 
     async def _poll_forever(self) -> None:
+        pacer = PollPacer(self.settings.stats_settle_s, self.settings.stats_idle_poll_s)
         while True:
             try:
-                await self.status()
+                sums = sample_sums(self._prom, (*ACTIVITY_SERIES, *SPEC_SERIES))
+                if pacer.due(time.monotonic(), engine_activity(sums)):
+                    await self.status()  # reads vLLM's counters again, after the workers answered
+                    pacer.polled(time.monotonic())
+                else:  # an idle engine: its workers' figures did not move, vLLM's counters are local
+                    self.served.update(self.version, *(sums[name] for name in SPEC_SERIES))
             except asyncio.CancelledError:
                 raise
             except Exception as exc:
                 self.metrics["poll_errors"].inc()
                 logger.warning("online-opd status poll failed: %s", exc)
-            if _TRAINER_STATS is not None:
-                self.trainer = await asyncio.to_thread(_TRAINER_STATS)
+            await self._read_trainer()
+            if self.mirror is not None:
+                self.mirror.update()
             await asyncio.sleep(self.settings.stats_poll_s)
 
-    # -- the reloader: follow the registry's current version, check it live, roll back ---------------
-    async def _reload_forever(self) -> None:
-        from online_opd.release.registry import DrafterRegistry, RegistryError
+    async def _read_trainer(self) -> None:
+        if _TRAINER_STATS is not None:  # the trainer's supervisor lives in this process
+            self.trainer = await asyncio.to_thread(_TRAINER_STATS)
+        elif self.settings.trainer_stats_file:
+            self.trainer = await asyncio.to_thread(read_trainer_stats_file, self.settings.trainer_stats_file)
 
-        registry = DrafterRegistry(self.settings.registry_dir)
-        while True:
-            await asyncio.sleep(self.settings.reload_poll_s)
-            try:
-                await self._follow(registry)
-            except asyncio.CancelledError:
-                raise
-            except RegistryError as exc:
-                await self._repair_registry(registry, exc)
-            except Exception:
-                logger.exception("reloader iteration failed (serving continues)")
-
-    async def _repair_registry(self, registry, error: Exception) -> None:
-        """CURRENT is unreadable or names a version that cannot be served: count it and let the
-        registry's ``check()`` move CURRENT to the newest good version. An unrepairable registry is
-        logged once until it can be repaired; the engine keeps serving its drafter meanwhile."""
-        self.metrics["registry_errors"].inc()
-        try:
-            repair = await asyncio.to_thread(registry.check)
-        except Exception as exc:
-            if not self._is_registry_broken:
-                logger.error("registry %s: %s, and check() cannot repair it: %s; still serving %s",
-                             registry.root, error, exc, self.version)
-            self._is_registry_broken = True
-            return
-        self._is_registry_broken = False
-        if repair is not None:
-            self.metrics["registry_repairs"].inc()
-            logger.warning("registry %s: %s; repaired CURRENT %s -> %s", registry.root, error,
-                           repair["from"], repair["to"])
-
-    async def pin(self) -> None:
-        """After an admin reload: the reloader leaves the drafter alone until the registry's CURRENT
-        next changes (then it follows CURRENT again, and the admin's choice is replaced)."""
-        if not (self.settings.auto_reload and self.settings.registry_dir):
-            return
-        from online_opd.release.registry import DrafterRegistry
-
-        current = await asyncio.to_thread(DrafterRegistry(self.settings.registry_dir).current)
-        self._pinned_current = current.version if current is not None else ""
-        logger.info("admin reload: %s serves until the registry's CURRENT moves from %s", self.version,
-                    self._pinned_current or "(none)")
-
-    async def _follow(self, registry) -> None:
-        current = await asyncio.to_thread(registry.current)
-        if current is None or self.version is None or current.version == self.version:
-            return
-        if self._pinned_current is not None:
-            if current.version == self._pinned_current:
-                return
-            self._pinned_current = None
-        old = self.version
-        result = await self.reload(current.path, await asyncio.to_thread(registry.weights_sha256,
-                                                                         current.version))
-        if not result["ok"]:
-            reason = f"hot reload {result['result']}: {result.get('error')}"
-            await self._roll_back(registry, current.version, reason)
-            return
-        check = await self._live_check(current.version, old)
-        await self._conclude(registry, current.version, old, check)
-
-    async def _live_check(self, version: str, old: str) -> LiveCheck | None:
-        """Poll until the test decides or the timeout; None when another reload replaced ``version``."""
-        s = self.settings
-        baseline = self.served.recent(old, s.live_check_drafts, s.live_check_min_windows)
-        start = self.served.mark(version)
-        is_possible = has_enough(baseline, s.live_check_drafts, s.live_check_min_windows)
-        deadline = time.monotonic() + s.live_check_timeout_s
-        while True:
-            check = decide_live_check(baseline, self.served.since(version, start), min_drafts=s.live_check_drafts,
-                                      min_windows=s.live_check_min_windows, tolerance=s.rollback_tolerance,
-                                      alpha=s.live_check_alpha)
-            if check.decision != UNDECIDED or not is_possible or time.monotonic() >= deadline:
-                return check  # decided, never can be (the old version served too little), or timed out
-            await asyncio.sleep(s.stats_poll_s)
-            if self.version != version:
-                return None
-
-    async def _conclude(self, registry, version: str, old: str, check: LiveCheck | None) -> None:
-        """Store the check in the version's manifest; roll back when it says so."""
-        s = self.settings
-        figures = {"baseline_version": old, "alpha": s.live_check_alpha, "tolerance": s.rollback_tolerance}
-        if check is None:
-            figures["result"] = "interrupted"
-        else:
-            base, cand = check.baseline, check.candidate
-            figures.update(check.to_dict(), tau=cand.tau if cand else None,
-                           drafts=cand.num_drafts if cand else 0.0, baseline_tau=base.tau if base else None,
-                           baseline_drafts=base.num_drafts if base else 0.0,
-                           result={"keep": "kept", "roll_back": "rolled_back"}.get(check.decision, "inconclusive"))
-        await asyncio.to_thread(registry.set_metrics, version, "live_check", figures)
-        if check is not None and figures["result"] == "rolled_back":
-            await self._roll_back(registry, version, f"live check against {old}: {check.reason}")
-        else:
-            logger.info("live check of %s: %s (%s)", version, figures["result"],
-                        check.reason if check is not None else "another reload replaced it")
-
-    async def _roll_back(self, registry, version: str, reason: str) -> None:
-        """Roll back ``version`` if it is still CURRENT; if CURRENT moved meanwhile, only mark it bad."""
-        from online_opd.release.registry import CurrentMovedError
-
-        try:
-            back = await asyncio.to_thread(registry.rollback, reason, expected_current=version)
-        except CurrentMovedError as exc:
-            await asyncio.to_thread(registry.mark_bad, version, f"{reason} (not rolled back: {exc})")
-            logger.warning("%s failed (%s) but is no longer CURRENT: marked bad, CURRENT left alone",
-                           version, reason)
-            return
-        self.metrics["rollbacks"].inc()
-        logger.warning("rolled back %s -> %s: %s", version, back.version, reason)
-
-    async def _reload_paused(self, path: Path, sha256: str | None, verified: dict) -> list[dict]:
+    async def _reload_paused(self, path: Path, sha256: str | None, verified: dict,
+                             pinned_current: str | None) -> list[dict]:
         """The reload RPC at a clean version boundary: vLLM's weight-update pause.
 
         The drafter's context K/V live in the paged KV cache beside the target's (computed once per
@@ -296,13 +306,15 @@ class OnlineOPDService:
         """
         await self.engine.pause_generation(mode="keep", clear_cache=True)
         try:
-            return await self.engine.collective_rpc("online_opd_reload",
-                                                    args=(str(path), sha256, verified, True))
+            per_engine = await self.rpc_all("online_opd_reload", (str(path), sha256, verified, True, pinned_current))
+            return [result for workers in per_engine for result in workers]
         finally:
             await self.engine.resume_generation()
 
-    async def reload(self, path: str | Path, sha256: str | None = None) -> dict:
+    async def reload(self, path: str | Path, sha256: str | None = None,
+                     pinned_current: str | None = None) -> dict:
         """Hot-load a checkpoint in every worker; the result says which version serves now.
+        ``pinned_current``: an admin reload's pin (``admin_pin``); None clears any pin.
 
         The files are hashed and the tensors checked here, in a thread of the API server, so the
         engine step that runs the RPC only stats the weights file and loads it (worker_ext.py).
@@ -324,7 +336,7 @@ class OnlineOPDService:
         async with self._reload_lock:
             self.served.update(self.version, *spec_totals(self._prom))  # close the old version's window
             rpc_start = time.perf_counter()
-            results = await self._reload_paused(path, sha256, verified)
+            results = await self._reload_paused(path, sha256, verified, pinned_current)
             wall = time.perf_counter() - rpc_start
         bad = [r for r in results if not r.get("ok")]
         result = bad[0]["result"] if bad else "ok"
@@ -385,9 +397,11 @@ class OnlineOPDEndpoints:
                     path, sha = str(registry.path(body.version)), sha or registry.weights_sha256(body.version)
                 except RegistryError as exc:
                     raise HTTPException(status_code=404, detail=str(exc)) from exc
-            result = await service.reload(path, sha)
-            if result["ok"]:
-                await service.pin()
+            pinned = await service.admin_pin()
+            result = await service.reload(path, sha, pinned_current=pinned)
+            if result["ok"] and pinned is not None:
+                logger.info("admin reload: %s serves until the registry's CURRENT moves from %s",
+                            result["version"], pinned or "(none)")
             code = 200 if result["ok"] else (422 if result["result"] == "refused" else 500)
             return JSONResponse(result, status_code=code)
 

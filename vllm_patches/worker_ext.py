@@ -191,7 +191,7 @@ class OnlineOPDWorkerExtension:
             config = (json.loads((path / CONFIG_FILE).read_text())
                       if path is not None and (path / CONFIG_FILE).is_file() else None)
             state = self._online_opd = {"path": path, "version": version, "config": config,
-                                        "reloads": {"ok": 0, "refused": 0, "failed": 0}}
+                                        "pinned_current": None, "reloads": {"ok": 0, "refused": 0, "failed": 0}}
             from vllm_patches import capture
 
             if (cap := capture.current()) is not None and version is not None:
@@ -199,13 +199,16 @@ class OnlineOPDWorkerExtension:
         return state
 
     def online_opd_reload(self, path: str, sha256: str | None = None, verified: dict | None = None,
-                          is_cache_reset: bool = False) -> dict:
+                          is_cache_reset: bool = False, pinned_current: str | None = None) -> dict:
         """Hot-load the drafter checkpoint at ``path``; returns {"ok", "version", "seconds", ...}.
 
         With ``verified`` (`verify_for_reload`'s result, computed by the caller outside the engine
         step) only the weights file's stat and the config are checked here; without it, everything.
         ``is_cache_reset``: the caller paused the engine and reset its prefix cache first (endpoint.py),
         so no drafter K/V of the old weights survive; capture labels blocks pure from the resume on.
+        ``pinned_current``: an admin reload pins its drafter until the registry's CURRENT moves from this
+        version (``""``: while there is none); every loaded reload sets it, so the reloader's own clears it.
+        The pin lives here, beside the version, so every API server of the engine sees it (endpoint.py).
         """
         state = self._online_opd_state()
         start = time.perf_counter()
@@ -241,7 +244,7 @@ class OnlineOPDWorkerExtension:
             torch.cuda.synchronize()
         loaded = time.perf_counter()
         version = checkpoint_version(ckpt)
-        state.update(path=ckpt, version=version)
+        state.update(path=ckpt, version=version, pinned_current=pinned_current)
         state["reloads"]["ok"] += 1
         from vllm_patches import capture
 
@@ -270,4 +273,4 @@ class OnlineOPDWorkerExtension:
 
         cap = capture.current()
         return {"version": state["version"], "path": str(state["path"]) if state["path"] else None,
-                "reloads": dict(state["reloads"]), "capture": cap.stats() if cap is not None else None}
+                "pinned_current": state["pinned_current"], "reloads": dict(state["reloads"]), "capture": cap.stats() if cap is not None else None}

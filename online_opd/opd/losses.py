@@ -22,13 +22,17 @@ Every objective returns a ``DraftOPDLoss``: ``.loss`` is what to backpropagate,
 rejected group (each normalised within its group) for logging. A group with no
 positions in the batch reports a graph-connected 0 and is left out of ``.loss``.
 Logits are assumed finite; half-precision logits are upcast to float32.
+
+``pool_losses`` combines the results of several calls (one per replayed sequence)
+into the objective over their union, so I_acc and I_rej span a whole training
+step as in eq. 10-11, also when the step is split across data-parallel ranks.
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Sequence
 
 import torch
 
@@ -42,6 +46,10 @@ class DraftOPDLoss:
     rejected: torch.Tensor  # [] objective over rejected positions (L_rej)
     num_accepted_positions: int  # |I_acc| in the batch
     num_rejected_positions: int  # |I_rej| in the batch (as used by the objective)
+    accepted_weight: float = 0.0  # denominator of .accepted: |I_acc|, or sum_{I_acc} w_k where weighted
+    rejected_weight: float = 0.0  # denominator of .rejected: Z of eq. 11, or |I_rej| where unweighted
+    # (lambda_acc, lambda_rej) of eq. 13; None: .loss is one weighted mean over both groups
+    group_lambdas: tuple[float, float] | None = None
 
 
 def _check_num_accepted(num_accepted: torch.Tensor, K: int) -> None:  # num_accepted: [num_blocks]
@@ -152,9 +160,8 @@ def _log_probs(
     """
     dtype = torch.promote_types(torch.promote_types(target_logits.dtype, draft_logits.dtype), torch.float32)
     target_logits = target_logits.detach().to(dtype)
-    outside = torch.isneginf(draft_logits)
-    if outside.any():
-        target_logits = target_logits.masked_fill(outside, float("-inf"))
+    # unconditionally: a full-vocabulary drafter has no -inf logits, and no `.any()` syncs a GPU per call
+    target_logits = target_logits.masked_fill(torch.isneginf(draft_logits), float("-inf"))
     return torch.log_softmax(target_logits, dim=-1), torch.log_softmax(draft_logits.to(dtype), dim=-1)
 
 
@@ -192,13 +199,19 @@ def _masked_mean(
     return numerator / torch.where(total > 0, total, torch.ones_like(total))
 
 
-def _counts(
+def _totals(
     acc_mask: torch.Tensor,  # [num_blocks, K] bool
     rej_mask: torch.Tensor,  # [num_blocks, K] bool
-) -> tuple[int, int]:
-    """(number of accepted positions, number of rejected positions), one device sync."""
-    n_acc, n_rej = torch.stack([acc_mask.sum(), rej_mask.sum()]).tolist()
-    return int(n_acc), int(n_rej)
+    acc_weights: torch.Tensor | None = None,  # [K], or None for uniform weights
+    rej_weights: torch.Tensor | None = None,  # [K], or None for uniform weights
+) -> tuple[int, int, float, float]:
+    """(|acc|, |rej|, sum of acc's weights, sum of rej's weights), one device sync."""
+    def weight_sum(mask: torch.Tensor, weights: torch.Tensor | None) -> torch.Tensor:
+        return mask.sum() if weights is None else torch.where(mask, weights, 0.0).sum()
+
+    sums = [acc_mask.sum(), rej_mask.sum(), weight_sum(acc_mask, acc_weights), weight_sum(rej_mask, rej_weights)]
+    n_acc, n_rej, w_acc, w_rej = torch.stack([t.double() for t in sums]).tolist()
+    return int(n_acc), int(n_rej), w_acc, w_rej
 
 
 def draft_opd_loss(
@@ -227,16 +240,17 @@ def draft_opd_loss(
     K = draft_logits.shape[1]
     acc, rej = _masks(num_accepted, K, first_rejected_only, num_drafted)  # [num_blocks, K] each
     log_p, log_q = _log_probs(target_logits, draft_logits)
+    w = _position_weights(K, gamma, log_q)  # [K] eq. 12
     l_acc = _masked_mean(_kl(log_p, log_q), acc)  # eq. 10
-    l_rej = _masked_mean(_kl(log_q, log_p), rej, _position_weights(K, gamma, log_q))  # eq. 11-12
-    n_acc, n_rej = _counts(acc, rej)
+    l_rej = _masked_mean(_kl(log_q, log_p), rej, w)  # eq. 11
+    n_acc, n_rej, w_acc, w_rej = _totals(acc, rej, None, w)
     lam_acc = lambda_acc if n_acc else 0.0  # an empty group leaves eq. 13 entirely
     lam_rej = lambda_rej if n_rej else 0.0
     if lam_acc + lam_rej == 0:
         loss = (l_acc + l_rej) * 0.0  # nothing to learn from: graph-connected zero
     else:
         loss = (lam_acc * l_acc + lam_rej * l_rej) / (lam_acc + lam_rej)  # eq. 13
-    return DraftOPDLoss(loss, l_acc, l_rej, n_acc, n_rej)
+    return DraftOPDLoss(loss, l_acc, l_rej, n_acc, n_rej, w_acc, w_rej, (float(lambda_acc), float(lambda_rej)))
 
 
 def all_forward_loss(
@@ -251,7 +265,7 @@ def all_forward_loss(
     acc, rej = _masks(num_accepted, draft_logits.shape[1], False, num_drafted)
     kl = _kl(*_log_probs(target_logits, draft_logits))  # [num_blocks, K]
     loss = _masked_mean(kl, acc | rej)  # acc | rej covers every drafted position: sum KL(p || q) / sum K_m
-    return DraftOPDLoss(loss, _masked_mean(kl, acc), _masked_mean(kl, rej), *_counts(acc, rej))
+    return DraftOPDLoss(loss, _masked_mean(kl, acc), _masked_mean(kl, rej), *_totals(acc, rej))
 
 
 def all_reverse_loss(
@@ -271,7 +285,7 @@ def all_reverse_loss(
     kl = _kl(log_q, log_p)  # [num_blocks, K]
     w = _position_weights(K, gamma, log_q)  # [K]
     loss = _masked_mean(kl, acc | rej, w)
-    return DraftOPDLoss(loss, _masked_mean(kl, acc, w), _masked_mean(kl, rej, w), *_counts(acc, rej))
+    return DraftOPDLoss(loss, _masked_mean(kl, acc, w), _masked_mean(kl, rej, w), *_totals(acc, rej, w, w))
 
 
 def target_rollout_loss(
@@ -298,7 +312,44 @@ def target_rollout_loss(
     acc, first_rej = _masks(num_accepted, draft_logits.shape[1], True, num_drafted)
     kl = _kl(*_log_probs(target_logits, draft_logits))  # [num_blocks, K]
     loss = _masked_mean(kl, acc | first_rej)  # positions k <= min(r + 1, K)
-    return DraftOPDLoss(loss, _masked_mean(kl, acc), _masked_mean(kl, first_rej), *_counts(acc, first_rej))
+    return DraftOPDLoss(loss, _masked_mean(kl, acc), _masked_mean(kl, first_rej), *_totals(acc, first_rej))
+
+
+def pool_losses(
+    parts: Sequence[DraftOPDLoss],
+    total_weights: tuple[float, float] | None = None,
+) -> DraftOPDLoss:
+    """One objective's results on several batches, pooled as if their positions were one batch.
+
+    With S_g = sum over parts of (group g's term * its weight W_g) and W_g summed over the parts,
+    group g's pooled term is S_g / W_g: for Draft-OPD, eq. 10 and 11 with I_acc and I_rej the
+    union of the parts' sets. ``.loss`` is eq. 13 over the pooled terms (a group empty in every
+    part drops out), or, for an objective with ``group_lambdas`` None, (S_acc + S_rej) / (W_acc +
+    W_rej). ``total_weights`` = (W_acc, W_rej) over a larger batch whose other parts are held
+    elsewhere (other data-parallel ranks): then every returned term is these parts' share, and the
+    shares of all holders sum to the pooled value. Default: these parts' own totals.
+    """
+    if not parts:
+        raise ValueError("pool_losses needs at least one part")
+    lambdas = parts[0].group_lambdas
+    if any(p.group_lambdas != lambdas for p in parts):
+        raise ValueError(f"parts come from different objectives: group_lambdas {[p.group_lambdas for p in parts]}")
+    own_acc = sum(p.accepted_weight for p in parts)
+    own_rej = sum(p.rejected_weight for p in parts)
+    w_acc, w_rej = (own_acc, own_rej) if total_weights is None else total_weights
+    s_acc = torch.stack([p.accepted * p.accepted_weight for p in parts]).sum()
+    s_rej = torch.stack([p.rejected * p.rejected_weight for p in parts]).sum()
+    acc = s_acc / w_acc if w_acc > 0 else s_acc * 0.0
+    rej = s_rej / w_rej if w_rej > 0 else s_rej * 0.0
+    if lambdas is None:
+        loss = (s_acc + s_rej) / (w_acc + w_rej) if w_acc + w_rej > 0 else (s_acc + s_rej) * 0.0
+    else:
+        lam_acc = lambdas[0] if w_acc > 0 else 0.0
+        lam_rej = lambdas[1] if w_rej > 0 else 0.0
+        total = lam_acc + lam_rej
+        loss = (lam_acc * acc + lam_rej * rej) / total if total > 0 else (acc + rej) * 0.0  # eq. 13
+    return DraftOPDLoss(loss, acc, rej, sum(p.num_accepted_positions for p in parts),
+                        sum(p.num_rejected_positions for p in parts), own_acc, own_rej, lambdas)
 
 
 LossFn = Callable[..., DraftOPDLoss]

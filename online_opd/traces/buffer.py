@@ -9,24 +9,23 @@ Segment files. One Parquet file per batch, named
 in time order (so a name is a cursor for tailing), ``writer_id`` keeps several
 replicas writing to one directory apart, and the name carries the checksum of
 the file's bytes, so a reader can tell a torn or bit-flipped segment without
-any side file. A segment is published atomically: its bytes are written to
-``.<something>.tmp`` in the same directory, flushed and fsynced, renamed to the
-final name with ``os.replace``, and the directory is fsynced. Readers ignore
-every name that is not a segment name (the ``.tmp`` files included), and skip
-and count segments whose bytes do not match their name: a bad segment is
-never fatal.
+any side file. A segment is published atomically (online_opd/traces/storage.py:
+a temporary file renamed in a local folder, one PUT on an object store).
+Readers ignore every name that is not a segment name (the ``.tmp`` files
+included). A segment whose bytes do not match its name or do not parse is
+never fatal: the reader logs it, counts it and moves it under ``quarantine/``
+(kept for inspection, out of every later listing), and reading goes on.
 
 Bounds. ``SegmentWriter.enforce_retention`` deletes the oldest segments while
 the directory holds more than ``max_bytes`` and every segment older than
 ``max_age_s`` (age from the timestamp in the name), whichever writer wrote it.
+Quarantined segments are bounded the same way, on their own: they count toward
+neither bound of the live segments, and are deleted once past ``max_age_s`` or
+while the quarantine alone holds more than ``max_bytes``.
 
-Local only, for now: fsync of the file and the directory, ``os.replace`` and
-the mtime check on stale ``.tmp`` files are POSIX-local-filesystem operations.
-All file-system access goes through ``_publish``, ``_scan`` and
-``_read_bytes`` plus ``os.remove`` in ``enforce_retention``; a
-``pyarrow.fs.FileSystem`` (object store, shared storage) would plug in there.
-On an object store a single PUT of the finished bytes is already atomic, so
-``_publish`` would write the final name directly.
+Storage. ``root`` is a local folder or an ``s3://bucket/prefix`` URI; every
+byte goes through ``open_store(root)`` (storage.py), and this module is the
+same code for both, so naming, verification, cursors and records are too.
 
 Cursor caveat with several writers: a replica whose segment takes longer to
 publish (or whose clock is behind) can publish a name that sorts before a
@@ -44,7 +43,7 @@ import os
 import re
 import socket
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -52,8 +51,9 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from online_opd.files import is_temp_name, replace_durably, write_temp_bytes
+from online_opd.files import is_temp_name
 from online_opd.traces.records import SequenceRecord, acceptance_length, pure_blocks_by_version
+from online_opd.traces.storage import QUARANTINE_DIR, Store, StoredFile, open_store
 
 logger = logging.getLogger(__name__)
 
@@ -93,7 +93,7 @@ class SegmentInfo:
     """One published segment, as its name and size describe it."""
 
     name: str
-    path: Path
+    path: Path | str  # a local path, or the object's URI
     bytes: int
     created_ms: int
     writer_id: str
@@ -165,47 +165,23 @@ def decode_segment(data: bytes) -> list[SequenceRecord]:
     return records
 
 
-# ---------------------------------------------------------------- file-system access (local)
+# ---------------------------------------------------------------- listing
 
 
-def _publish(root: Path, data: bytes, final_name_for: Callable[[], str]) -> Path:
-    """Write ``data`` to a durable temporary file, then rename it to ``final_name_for()``.
-
-    The final name is chosen after the bytes are durable, so its timestamp is
-    as close as possible to the moment the segment becomes visible.
-    """
-    tmp = write_temp_bytes(root / "seg", data)
-    try:
-        final = root / final_name_for()
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-    return replace_durably(tmp, final)
-
-
-def _scan(root: Path) -> tuple[list[SegmentInfo], list[Path]]:
+def _scan(store: Store, quarantined: bool = False) -> tuple[list[SegmentInfo], list[StoredFile]]:
     """Segments sorted by name, and the ``.tmp`` files; other names are ignored."""
     segments, tmps = [], []
-    with os.scandir(root) as entries:
-        for entry in entries:
-            if is_temp_name(entry.name):
-                tmps.append(Path(entry.path))
-                continue
-            parsed = parse_segment_name(entry.name)
-            if parsed is None:
-                continue
-            try:
-                size = entry.stat().st_size
-            except FileNotFoundError:  # deleted by another writer's retention meanwhile
-                continue
-            created_ms, writer_id, seq, digest = parsed
-            segments.append(SegmentInfo(entry.name, Path(entry.path), size, created_ms, writer_id, seq, digest))
+    for f in store.list(quarantined):
+        if is_temp_name(f.name):
+            tmps.append(f)
+            continue
+        parsed = parse_segment_name(f.name)
+        if parsed is None:
+            continue
+        created_ms, writer_id, seq, digest = parsed
+        segments.append(SegmentInfo(f.name, f.location, f.size, created_ms, writer_id, seq, digest))
     segments.sort(key=lambda s: s.name)
     return segments, tmps
-
-
-def _read_bytes(path: Path) -> bytes:
-    return path.read_bytes()
 
 
 # ---------------------------------------------------------------- writing
@@ -221,32 +197,33 @@ class SegmentWriter:
 
     def __init__(self, root: str | os.PathLike, writer_id: str | None = None,
                  max_bytes: int | None = None, max_age_s: float | None = None) -> None:
-        self.root = Path(root)
+        self.store = open_store(root)
+        self.root = self.store.root  # a Path, or the URI without query parameters
         self.writer_id = sanitize_writer_id(writer_id) if writer_id is not None else default_writer_id()
         self.max_bytes = max_bytes
         self.max_age_s = max_age_s
         self._seq = 0
         self._last_ms = 0
-        self.root.mkdir(parents=True, exist_ok=True)
-        segments, _ = _scan(self.root)
+        self.store.prepare()
+        segments, _ = _scan(self.store)
         self.bytes = sum(s.bytes for s in segments)
         self.segments = len(segments)
 
-    def write(self, records: Iterable[SequenceRecord]) -> Path | None:
-        """Publish one segment holding ``records``; None (and no file) when there are none."""
+    def write(self, records: Iterable[SequenceRecord]) -> Path | str | None:
+        """Publish one segment holding ``records``; its path (a URI on an object store), or None
+        (and no file) when there are none."""
         records = list(records)
         if not records:
             return None
         data = encode_segment(records)
         digest = hashlib.sha256(data).hexdigest()
-        self.root.mkdir(parents=True, exist_ok=True)  # recreate a directory someone removed
 
         def final_name() -> str:
             # Never go back in time within one writer, so its own names stay in order.
             self._last_ms = max(self._last_ms, int(time.time() * 1000))
             return segment_name(self._last_ms, self.writer_id, self._seq, digest)
 
-        path = _publish(self.root, data, final_name)
+        path = self.store.publish(data, final_name)
         self._seq += 1
         self.bytes += len(data)
         self.segments += 1
@@ -255,14 +232,35 @@ class SegmentWriter:
     def enforce_retention(self, now: float | None = None) -> dict[str, int]:
         """Delete segments past the age bound, then the oldest while over the byte bound.
 
-        Segments of every writer in the directory count. Also removes ``.tmp``
-        files older than an hour (left by a writer that died mid-write).
+        Segments of every writer in the directory count. Quarantined segments are
+        bounded the same way on their own (kept for inspection, not forever). Also
+        removes ``.tmp`` files older than an hour (left by a writer that died mid-write).
         """
         now = time.time() if now is None else now
-        segments, tmps = _scan(self.root)
-        deleted_segments = deleted_bytes = deleted_tmp = 0
+        segments, tmps = _scan(self.store)
+        keep, deleted_segments, deleted_bytes = self._delete_past_bounds(segments, now)
+        quarantined = self._delete_past_bounds(_scan(self.store, quarantined=True)[0], now, QUARANTINE_DIR)[1]
+        deleted_tmp = 0
+        for tmp in tmps:
+            try:
+                if now - tmp.mtime > _STALE_TMP_S:
+                    self.store.delete(tmp.name)
+                    deleted_tmp += 1
+            except FileNotFoundError:
+                pass
+        self.bytes = sum(s.bytes for s in keep)
+        self.segments = len(keep)
+        return {"deleted_segments": deleted_segments, "deleted_bytes": deleted_bytes,
+                "deleted_tmp": deleted_tmp, "deleted_quarantined": quarantined,
+                "segments": self.segments, "bytes": self.bytes}
+
+    def _delete_past_bounds(self, segments: list[SegmentInfo], now: float,
+                            folder: str | None = None) -> tuple[list[SegmentInfo], int, int]:
+        """(kept, number deleted, bytes deleted): ``segments`` (oldest first, under ``folder``) past
+        ``max_age_s``, then the oldest while their total is over ``max_bytes``."""
         total = sum(s.bytes for s in segments)
         keep: list[SegmentInfo] = []
+        deleted = deleted_bytes = 0
         for seg in segments:  # oldest first
             too_old = self.max_age_s is not None and (now * 1000 - seg.created_ms) > self.max_age_s * 1000
             too_big = self.max_bytes is not None and total > self.max_bytes
@@ -270,43 +268,43 @@ class SegmentWriter:
                 keep.append(seg)
                 continue
             try:
-                os.remove(seg.path)
+                self.store.delete(seg.name if folder is None else f"{folder}/{seg.name}")
             except FileNotFoundError:  # another writer's retention got there first
                 pass
             else:
-                deleted_segments += 1
+                deleted += 1
                 deleted_bytes += seg.bytes
             total -= seg.bytes
-        for tmp in tmps:
-            try:
-                if now - tmp.stat().st_mtime > _STALE_TMP_S:
-                    os.remove(tmp)
-                    deleted_tmp += 1
-            except FileNotFoundError:
-                pass
-        self.bytes = sum(s.bytes for s in keep)
-        self.segments = len(keep)
-        return {"deleted_segments": deleted_segments, "deleted_bytes": deleted_bytes,
-                "deleted_tmp": deleted_tmp, "segments": self.segments, "bytes": self.bytes}
+        return keep, deleted, deleted_bytes
 
 
 class BufferReader:
-    """Reads and tails a buffer directory; corrupt segments are skipped and counted, not raised."""
+    """Reads and tails a buffer directory; corrupt segments are skipped, counted and quarantined, not raised."""
 
     def __init__(self, root: str | os.PathLike) -> None:
-        self.root = Path(root)
+        self.store = open_store(root)
+        self.root = self.store.root  # a Path, or the URI without query parameters
         self.corrupt: dict[str, str] = {}  # segment name -> reason, each logged once
+        self.quarantined: set[str] = set()  # segments this reader moved under quarantine/
+
+    def exists(self) -> bool:
+        """Whether the folder (the bucket, for a URI) exists: False before anything was captured."""
+        return self.store.exists()
 
     def segments(self) -> list[SegmentInfo]:
         """Published segments sorted by name (= time order); other files are ignored."""
-        return _scan(self.root)[0]
+        return _scan(self.store)[0]
+
+    def quarantined_segments(self) -> list[SegmentInfo]:
+        """Segments under ``quarantine/`` (moved there by any reader), sorted by name."""
+        return _scan(self.store, quarantined=True)[0]
 
     def read_segment(self, info: SegmentInfo) -> list[SequenceRecord]:
         """The segment's records; CorruptSegment when its bytes do not match its name or do not parse.
 
         FileNotFoundError (not CorruptSegment) when retention deleted it meanwhile.
         """
-        data = _read_bytes(info.path)
+        data = self.store.read(info.name)
         digest = hashlib.sha256(data).hexdigest()[:32]
         if digest != info.digest:
             raise CorruptSegment(f"segment {info.name}: sha256 of its {len(data)} bytes starts {digest}, "
@@ -320,8 +318,10 @@ class BufferReader:
                        ) -> Iterator[tuple[SegmentInfo, list[SequenceRecord]]]:
         """Segments whose name sorts after ``after``, each with its records, oldest first.
 
-        A corrupt segment comes with no records (and is counted in ``corrupt``);
-        one that retention deleted after the listing is left out.
+        A corrupt segment comes with no records (and is counted in ``corrupt``
+        and quarantined); one that retention deleted after the listing is left out.
+        One that cannot be read (an I/O error) also comes with no records and is
+        counted, but stays where it is.
         """
         newest_ms = (time.time() - settle_s) * 1000
         for info in self.segments():
@@ -337,8 +337,22 @@ class BufferReader:
                 if info.name not in self.corrupt:
                     logger.warning("buffer: skipping %s", exc)
                     self.corrupt[info.name] = str(exc)
+                    if isinstance(exc, CorruptSegment):
+                        self._quarantine(info)
                 records = []
             yield info, records
+
+    def _quarantine(self, info: SegmentInfo) -> None:
+        """Move a corrupt segment out of the listing; a failed move (read-only access) is logged, not raised."""
+        try:
+            where = self.store.quarantine(info.name)
+        except FileNotFoundError:  # another reader moved it, or retention deleted it
+            return
+        except OSError as exc:
+            logger.warning("buffer: could not quarantine %s (%r): it stays, skipped by every read", info.name, exc)
+            return
+        self.quarantined.add(info.name)
+        logger.warning("buffer: quarantined %s as %s", info.name, where)
 
     def iter_records(self, after: str | None = None, settle_s: float = 0.0) -> Iterator[SequenceRecord]:
         """Records of every segment whose name sorts after ``after``, oldest first."""
@@ -362,41 +376,56 @@ class BufferReader:
         """Whole-buffer figures (reads every segment): sizes, capture times, acceptance per drafter,
         records per capturing replica ("unknown" for records written before records named it).
 
+        ``segments``/``bytes`` count the segments left after this pass; ``corrupt_segments``
+        counts those found corrupt in it and those quarantined before (``quarantined_segments``).
         ``tau`` is the mean accepted length per block, counting the target's own
         token: ``1 + accepted / blocks``. Each version counts the pure blocks it
         drafted (records.py "Drafter versions"); ``mixed_blocks`` counts the rest.
         """
         infos = self.segments()
-        per_version: dict[str, dict[str, Any]] = {}
-        records, mixed_blocks = 0, 0
-        captured, per_replica = [], {}
-        for _, recs in self.iter_segments(None):
-            for rec in recs:
-                records += 1
-                per_replica[rec.replica or "unknown"] = per_replica.get(rec.replica or "unknown", 0) + 1
-                if rec.captured_at > 0:
-                    captured.append(rec.captured_at)
-                by_version = pure_blocks_by_version(rec) or {rec.drafter_version: []}
-                mixed_blocks += len(rec.blocks) - sum(len(blocks) for blocks in by_version.values())
-                for version, blocks in by_version.items():
-                    v = per_version.setdefault(version, {"records": 0, "blocks": 0, "drafted_tokens": 0,
-                                                         "accepted_tokens": 0})
-                    v["records"] += 1
-                    v["blocks"] += len(blocks)
-                    v["drafted_tokens"] += sum(len(b.draft_tokens) for b in blocks)
-                    v["accepted_tokens"] += sum(b.num_accepted for b in blocks)
-        for v in per_version.values():
-            v["tau"] = acceptance_length(v["accepted_tokens"], v["blocks"])
-            v["acceptance_rate"] = v["accepted_tokens"] / v["drafted_tokens"] if v["drafted_tokens"] else None
+        figures = _record_figures(recs for _, recs in self.iter_segments(None))
+        live = [s for s in infos if s.name not in self.quarantined]
+        in_quarantine = {s.name for s in self.quarantined_segments()}
+        corrupt = {s.name for s in infos if s.name in self.corrupt} | in_quarantine
         return {
             "root": str(self.root),
-            "segments": len(infos),
-            "bytes": sum(s.bytes for s in infos),
-            "records": records,
-            "corrupt_segments": sum(1 for s in infos if s.name in self.corrupt),
-            "oldest_captured_at": min(captured) if captured else None,
-            "newest_captured_at": max(captured) if captured else None,
-            "drafter_versions": dict(sorted(per_version.items())),
-            "mixed_blocks": mixed_blocks,
-            "records_per_replica": dict(sorted(per_replica.items())),
+            "segments": len(live),
+            "bytes": sum(s.bytes for s in live),
+            "records": figures["records"],
+            "corrupt_segments": len(corrupt),
+            "quarantined_segments": len(in_quarantine),
+            "oldest_captured_at": figures["oldest_captured_at"],
+            "newest_captured_at": figures["newest_captured_at"],
+            "drafter_versions": figures["drafter_versions"],
+            "mixed_blocks": figures["mixed_blocks"],
+            "records_per_replica": figures["records_per_replica"],
         }
+
+
+def _record_figures(segments: Iterable[list[SequenceRecord]]) -> dict[str, Any]:
+    """``BufferReader.stats``'s figures over the records of ``segments``."""
+    per_version: dict[str, dict[str, Any]] = {}
+    records, mixed_blocks = 0, 0
+    captured, per_replica = [], {}
+    for recs in segments:
+        for rec in recs:
+            records += 1
+            per_replica[rec.replica or "unknown"] = per_replica.get(rec.replica or "unknown", 0) + 1
+            if rec.captured_at > 0:
+                captured.append(rec.captured_at)
+            by_version = pure_blocks_by_version(rec) or {rec.drafter_version: []}
+            mixed_blocks += len(rec.blocks) - sum(len(blocks) for blocks in by_version.values())
+            for version, blocks in by_version.items():
+                v = per_version.setdefault(version, {"records": 0, "blocks": 0, "drafted_tokens": 0,
+                                                     "accepted_tokens": 0})
+                v["records"] += 1
+                v["blocks"] += len(blocks)
+                v["drafted_tokens"] += sum(len(b.draft_tokens) for b in blocks)
+                v["accepted_tokens"] += sum(b.num_accepted for b in blocks)
+    for v in per_version.values():
+        v["tau"] = acceptance_length(v["accepted_tokens"], v["blocks"])
+        v["acceptance_rate"] = v["accepted_tokens"] / v["drafted_tokens"] if v["drafted_tokens"] else None
+    return {"records": records, "oldest_captured_at": min(captured) if captured else None,
+            "newest_captured_at": max(captured) if captured else None,
+            "drafter_versions": dict(sorted(per_version.items())), "mixed_blocks": mixed_blocks,
+            "records_per_replica": dict(sorted(per_replica.items()))}

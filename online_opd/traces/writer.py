@@ -48,9 +48,14 @@ class BufferWriter:
     def __init__(self, root: str | os.PathLike, *, writer_id: str | None = None,
                  max_bytes: int | None = None, max_age_s: float | None = None,
                  flush_records: int = 1024, flush_interval_s: float = 5.0, maxsize: int = 10_000,
-                 max_held: int | None = None, retry_interval_s: float = 2.0, start: bool = True) -> None:
+                 max_held: int | None = None, retry_interval_s: float = 2.0, retention_interval_s: float = 0.0,
+                 start: bool = True) -> None:
         if flush_records < 1 or flush_interval_s <= 0 or maxsize < 1 or retry_interval_s <= 0:
             raise ValueError("flush_records, flush_interval_s, maxsize and retry_interval_s must be positive")
+        if retention_interval_s < 0:
+            raise ValueError(f"retention_interval_s must be >= 0, got {retention_interval_s}")
+        self.retention_interval_s = retention_interval_s
+        self._retained_at: float | None = None  # monotonic time of the last retention pass
         self.segment_writer = SegmentWriter(root, writer_id, max_bytes=max_bytes, max_age_s=max_age_s)
         self.flush_records = flush_records
         self.flush_interval_s = flush_interval_s
@@ -154,14 +159,23 @@ class BufferWriter:
                 return self._hold(records[start:])
             self._count(written_records=len(chunk), written_segments=1)
             self._on_write_ok()
-            try:
-                self.segment_writer.enforce_retention()
-            except Exception as exc:
-                logger.warning("buffer writer: retention failed: %r", exc)
-                with self._lock:
-                    self._counters["last_error"] = repr(exc)
+            self._retain()
         self._set_held(0)
         return []
+
+    def _retain(self) -> None:
+        """Retention after a write, at most every ``retention_interval_s``: each pass lists the whole
+        buffer, which on a bucket shared by many replicas is the costly part (README, sizing)."""
+        now = time.monotonic()
+        if self._retained_at is not None and now - self._retained_at < self.retention_interval_s:
+            return
+        self._retained_at = now
+        try:
+            self.segment_writer.enforce_retention()
+        except Exception as exc:
+            logger.warning("buffer writer: retention failed: %r", exc)
+            with self._lock:
+                self._counters["last_error"] = repr(exc)
 
     def _hold(self, records: list[SequenceRecord]) -> list[SequenceRecord]:
         """Keep the newest ``max_held`` records for a retry; the rest are dropped and counted."""

@@ -63,6 +63,9 @@ rebuilt by re-reading the newest segments up to the saved cursor (those
 records count as already trained on; retention may have removed some). Counting goes on
 from the saved counters. ``max_steps`` counts all steps, resumed ones too.
 
+Data-parallel (``trainer.num_workers > 1``): this trainer is rank 0, the one that decides;
+train/online_dp.py runs its loop and the replicas of the other ranks.
+
 Threads. ``torch.set_num_threads(online.num_threads)`` bounds the process's
 intra-op threads, so on the CPU default the trainer leaves the other cores to
 the serving engine.
@@ -79,7 +82,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from transformers import get_constant_schedule_with_warmup
 
 from online_opd.config import OnlineOPDConfig
 from online_opd.models.drafters.checkpoint import load_drafter
@@ -89,8 +91,8 @@ from online_opd.release.gate import evaluate_gate, is_held_out
 from online_opd.release.registry import DrafterRegistry
 from online_opd.traces.buffer import BufferReader, CorruptSegment
 from online_opd.traces.records import SequenceRecord, check_fidelity
-from online_opd.train.opd import objective_fn, plan_replay, replay_records, replayable_blocks
-from online_opd.train.optim import build_optimizer
+from online_opd.train.online_dp import new_optimizer, replay_update
+from online_opd.train.opd import objective_fn, plan_replay, replayable_blocks
 from online_opd.train.state import STATE_FILE, load_state, save_state
 
 logger = logging.getLogger(__name__)
@@ -105,7 +107,7 @@ class OnlineTrainer:
     Not thread-safe except ``stats``, which another thread may call while ``run`` trains.
     """
 
-    def __init__(self, cfg: OnlineOPDConfig, *, target_path: Path, buffer_dir: Path, registry_dir: Path,
+    def __init__(self, cfg: OnlineOPDConfig, *, target_path: Path, buffer_dir: Path | str, registry_dir: Path,
                  state_dir: Path) -> None:
         if cfg.trainer.objective not in LOSSES:
             raise ValueError(f"online training replays recorded blocks: trainer.objective must be one of "
@@ -149,7 +151,7 @@ class OnlineTrainer:
 
     def poll(self) -> int:
         """Read new buffer records into the pools; returns how many were kept (train + held-out)."""
-        if not self.reader.root.is_dir():  # no server has captured anything yet
+        if not self.reader.exists():  # no server has captured anything yet
             return 0
         records, self.cursor = self.reader.tail(self.cursor, settle_s=self.cfg.online.settle_s)
         counts = {"records_seen": len(records), "records_invalid": 0, "records_unusable": 0}
@@ -217,29 +219,35 @@ class OnlineTrainer:
 
     def step(self) -> dict[str, Any] | None:
         """One optimizer step on sampled records; None (nothing done) below ``online.min_records``."""
+        start = time.perf_counter()
+        records = self.next_records()
+        return None if records is None else self.train_step(records, start)
+
+    def next_records(self) -> list[SequenceRecord] | None:
+        """This step's records as replayed (``sample``, then ``replay_plan``); None below
+        ``online.min_records`` or when every pick was too short to simulate a settled block on."""
         if len(self.window) < self.cfg.online.min_records:
             return None
-        start = time.perf_counter()
-        tcfg = self.cfg.trainer
         self.drafter.train()
-        records = [r for r in map(self.replay_plan, self.sample()) if r is not None]
-        if not records:  # every picked record was too short to simulate a settled block on
-            return None
-        replayed = replay_records(self.target, self.drafter, records, self.objective,
-                                  anchors_per_sequence=tcfg.anchors_per_sequence, generator=self.generator,
-                                  device=self.device)
-        loss, num_tokens = replayed.loss, replayed.num_replayed_tokens
-        if not torch.isfinite(loss):  # skip, never step into NaN weights
-            raise FloatingPointError(f"non-finite loss {float(loss)} at step {self.step_count + 1}")
-        self.optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.drafter.parameters(), tcfg.grad_clip or math.inf)
-        self.optimizer.step()
-        self.scheduler.step()
+        return [r for r in map(self.replay_plan, self.sample()) if r is not None] or None
+
+    def train_step(self, records: list[SequenceRecord], start: float | None = None) -> dict[str, Any]:
+        """One optimizer step on ``records`` (online_dp.replay_update: every rank of a data-parallel
+        trainer calls it with the same records and generator state); a non-finite loss raises
+        FloatingPointError before any weight changes."""
+        start = time.perf_counter() if start is None else start
+        self.drafter.train()
+        try:
+            replayed, loss, grad_norm = replay_update(
+                self.target, self.drafter, records, self.objective, self.optimizer, self.scheduler,
+                self.cfg.trainer, generator=self.generator, device=self.device)
+        except FloatingPointError as exc:  # never step into NaN weights
+            raise FloatingPointError(f"{exc} at step {self.step_count + 1}") from exc
+        num_tokens = replayed.num_replayed_tokens
         self.step_count += 1
-        stats = {"step": self.step_count, "loss": float(loss.detach()),
+        stats = {"step": self.step_count, "loss": loss,
                  "loss_accepted": replayed.accepted, "loss_rejected": replayed.rejected,
-                 "replayed_tokens": num_tokens, "grad_norm": float(grad_norm),
+                 "replayed_tokens": num_tokens, "grad_norm": grad_norm,
                  "lr": self.scheduler.get_last_lr()[0], "seconds": time.perf_counter() - start}
         with self._lock:
             self._stats.update(status="training", steps=self.step_count, step_seconds=stats["seconds"],
@@ -247,7 +255,7 @@ class OnlineTrainer:
                                                         "grad_norm")})
             self._stats["replayed_tokens"] += num_tokens
             self._stats["train_seconds"] += stats["seconds"]  # optimizer-step time (compute budget)
-        if self.step_count % tcfg.log_every == 0:
+        if self.step_count % self.cfg.trainer.log_every == 0:
             logger.info("online step %d: loss %.4f (accepted %.4f, rejected %.4f), %d tokens, %.2fs",
                         self.step_count, stats["loss"], stats["loss_accepted"], stats["loss_rejected"],
                         num_tokens, stats["seconds"])
@@ -316,10 +324,7 @@ class OnlineTrainer:
         return True
 
     def _new_optimizer(self) -> tuple[torch.optim.Optimizer, torch.optim.lr_scheduler.LambdaLR]:
-        tcfg = self.cfg.trainer
-        optimizer = build_optimizer(self.drafter, lr=tcfg.lr, weight_decay=tcfg.weight_decay, betas=tcfg.betas)
-        warmup = round(tcfg.warmup_ratio * tcfg.num_steps) if tcfg.warmup_ratio > 0 else 0
-        return optimizer, get_constant_schedule_with_warmup(optimizer, num_warmup_steps=warmup)
+        return new_optimizer(self.drafter, self.cfg.trainer)
 
     # ---- state ------------------------------------------------------------------------------------
 
@@ -359,7 +364,7 @@ class OnlineTrainer:
     def _rebuild_pools(self, cursor: str) -> None:
         """Refill the pools from the segments up to ``cursor``, newest first, reading only as many
         segments as the pools hold; these records were trained on already, so none is fresh."""
-        if not self.reader.root.is_dir():
+        if not self.reader.exists():
             return
         chunks: list[list[SequenceRecord]] = []
         need_train, need_held_out = self.window.maxlen or 0, self.held_out.maxlen or 0
@@ -396,33 +401,45 @@ class OnlineTrainer:
                         self.poll()
                         last_poll = time.monotonic()
                     if self.step() is None:
-                        with self._lock:
-                            if self._stats["status"] != "error":
-                                self._stats["status"] = "waiting_for_data"
+                        self.note_waiting()
                         stop.wait(ocfg.poll_s)
                         continue
                 except Exception as exc:
-                    self._error("step", exc)
+                    self.record_error("step", exc)
                     stop.wait(ocfg.poll_s)
                     continue
-                if self.step_count % self.cfg.gate.every_steps == 0:
-                    try:
-                        self.gate()
-                        self.save()
-                    except Exception as exc:
-                        self._error("gate", exc)
-                if self.step_count % ocfg.checkpoint_every == 0 and self._saved_step != self.step_count:
-                    self.save()
+                self.gate_and_checkpoint()
         finally:
-            try:
-                self.save()
-            except Exception as exc:
-                self._error("save", exc)
-            with self._lock:
-                self._stats["status"] = "stopped"
+            self.finish()
         return self.stats()
 
-    def _error(self, where: str, exc: Exception) -> None:
+    def note_waiting(self) -> None:
+        """Status "waiting_for_data" after a loop iteration without a step (an error status stays)."""
+        with self._lock:
+            if self._stats["status"] != "error":
+                self._stats["status"] = "waiting_for_data"
+
+    def gate_and_checkpoint(self) -> None:
+        """After a step: the gate every ``gate.every_steps`` steps, a save every ``online.checkpoint_every``."""
+        if self.step_count % self.cfg.gate.every_steps == 0:
+            try:
+                self.gate()
+                self.save()
+            except Exception as exc:
+                self.record_error("gate", exc)
+        if self.step_count % self.cfg.online.checkpoint_every == 0 and self._saved_step != self.step_count:
+            self.save()
+
+    def finish(self) -> None:
+        """Save the state on the way out of the loop; status "stopped"."""
+        try:
+            self.save()
+        except Exception as exc:
+            self.record_error("save", exc)
+        with self._lock:
+            self._stats["status"] = "stopped"
+
+    def record_error(self, where: str, exc: Exception) -> None:
         """Count a failure; log it with its traceback once, not again while the same one repeats
         with no step in between (e.g. CURRENT on a broken version until the reloader rolls it back)."""
         error = f"{where}: {exc!r}"

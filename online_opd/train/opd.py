@@ -20,12 +20,14 @@ import torch
 
 from online_opd.config import TrainerConfig
 from online_opd.files import atomic_write_text
-from online_opd.opd.losses import get_loss
+from online_opd.opd.losses import DraftOPDLoss, get_loss, pool_losses
 from online_opd.opd.replay import replay_sequence
 from online_opd.opd.rollout import simulated_record
 from online_opd.traces.records import BlockRecord, SequenceRecord
+from online_opd.train import distributed as dp
 
 RECORD_GLOB = "*.jsonl"
+POOLINGS = ("batch", "sequence")  # how replay_records averages a step's records (TrainerConfig.loss_pooling)
 
 
 def read_records(folder: Path) -> tuple[list[SequenceRecord], int]:
@@ -93,45 +95,88 @@ def plan_replay(target, drafter, record: SequenceRecord,
 class ReplayedLoss:
     """One step's objective over its records (``replay_records``)."""
 
-    loss: torch.Tensor  # [] mean over the records; differentiable in the drafter's weights
-    accepted: float  # mean accepted-position term
-    rejected: float  # mean rejected-position term
+    # [] the objective over the step's records (pooled, or the mean over records: ``replay_records``),
+    # differentiable in the drafter's weights; data-parallel: this rank's share of the global batch's
+    # value (train/distributed.py), the shares summing to it
+    loss: torch.Tensor
+    accepted: float  # accepted-position term (over the global batch, pooled as the loss is)
+    rejected: float  # rejected-position term (over the global batch, pooled as the loss is)
     num_replayed_tokens: int  # context tokens plus drafted positions sent through the forwards
 
 
+def choose_blocks(record: SequenceRecord, anchors_per_sequence: int, generator: torch.Generator,
+                  ) -> list[BlockRecord]:
+    """Up to ``anchors_per_sequence`` of the record's blocks, drawn with ``generator``, in order."""
+    count = min(anchors_per_sequence, len(record.blocks))
+    chosen = torch.randperm(len(record.blocks), generator=generator)[:count].sort().values
+    return [record.blocks[j] for j in chosen.tolist()]
+
+
 def replay_records(target, drafter, records: list[SequenceRecord], objective: Callable, *,
-                   anchors_per_sequence: int, generator: torch.Generator,
+                   anchors_per_sequence: int, generator: torch.Generator, pooling: str = "batch",
                    device: torch.device | None = None) -> ReplayedLoss:
     """Up to ``anchors_per_sequence`` blocks of each record, drawn with ``generator``, replayed in one
-    packed pass per record (replay.py) and scored with ``objective``."""
-    losses, accepted, rejected, num_tokens = [], [], [], 0
-    for record in records:
-        count = min(anchors_per_sequence, len(record.blocks))
-        chosen = torch.randperm(len(record.blocks), generator=generator)[:count].sort().values
-        blocks = [record.blocks[j] for j in chosen.tolist()]
+    packed pass per record (replay.py) and scored with ``objective``.
+
+    ``pooling`` "batch" (the paper): the objective over the union of all records' replayed positions,
+    I_acc and I_rej of eq. 10-11 spanning the step (``losses.pool_losses``); "sequence": the objective
+    per record, then the mean over the records (each record weighs the same however many positions
+    it has). Data-parallel (train/distributed.py): ``records`` is the global batch, the same on every
+    rank; each rank draws the blocks of all of them (so the generator stays in step) and replays its
+    own slice."""
+    if pooling not in POOLINGS:
+        raise ValueError(f"pooling must be one of {POOLINGS}, got {pooling!r}")
+    chosen = [choose_blocks(record, anchors_per_sequence, generator) for record in records]
+    lo, hi = dp.shard_bounds(len(records))
+    outs, num_tokens = [], []
+    for record, blocks in zip(records[lo:hi], chosen[lo:hi]):
         end = max(b.anchor for b in blocks) + 1  # later tokens are never read
         tokens = torch.tensor(record.tokens[:end], dtype=torch.int64, device=device)
         batch = replay_sequence(target, drafter, tokens, blocks)
-        out = objective(batch.target_logits, batch.draft_logits, batch.num_accepted, batch.num_drafted)
-        losses.append(out.loss)
-        accepted.append(float(out.accepted.detach()))
-        rejected.append(float(out.rejected.detach()))
-        num_tokens += end + sum(len(b.draft_tokens) - 1 for b in blocks)
-    return ReplayedLoss(loss=torch.stack(losses).mean(), accepted=sum(accepted) / len(accepted),
-                        rejected=sum(rejected) / len(rejected), num_replayed_tokens=num_tokens)
+        outs.append(objective(batch.target_logits, batch.draft_logits, batch.num_accepted, batch.num_drafted))
+        num_tokens.append(end + sum(len(b.draft_tokens) - 1 for b in blocks))
+    if pooling == "sequence":
+        return _mean_over_records(outs, num_tokens, len(records), device)
+    return _pool_over_batch(outs, num_tokens, device)
+
+
+def _mean_over_records(outs: list[DraftOPDLoss], num_tokens: list[int], num_records: int,
+                       device: torch.device | None) -> ReplayedLoss:
+    """``pooling="sequence"``: the mean of the records' objectives (this rank's share of it)."""
+    figures = dp.gather([(float(o.accepted.detach()), float(o.rejected.detach()), n)
+                         for o, n in zip(outs, num_tokens)])
+    return ReplayedLoss(loss=dp.share_of_mean([o.loss for o in outs], num_records, device),
+                        accepted=sum(f[0] for f in figures) / len(figures),
+                        rejected=sum(f[1] for f in figures) / len(figures),
+                        num_replayed_tokens=sum(f[2] for f in figures))
+
+
+def _pool_over_batch(outs: list[DraftOPDLoss], num_tokens: list[int],
+                     device: torch.device | None) -> ReplayedLoss:
+    """``pooling="batch"``: the objective over every replayed position of the global batch, this
+    rank's share of it (the groups' weight totals and weighted sums come from every rank in one gather)."""
+    totals = dp.gather([(o.accepted_weight, o.rejected_weight, float(o.accepted.detach()) * o.accepted_weight,
+                         float(o.rejected.detach()) * o.rejected_weight, n) for o, n in zip(outs, num_tokens)])
+    w_acc, w_rej, s_acc, s_rej, replayed = (sum(column) for column in zip(*totals)) if totals else (0, 0, 0, 0, 0)
+    pooled = pool_losses(outs, (w_acc, w_rej)) if outs else None
+    return ReplayedLoss(loss=torch.zeros((), device=device) if pooled is None else pooled.loss,
+                        accepted=s_acc / w_acc if w_acc > 0 else 0.0, rejected=s_rej / w_rej if w_rej > 0 else 0.0,
+                        num_replayed_tokens=int(replayed))
 
 
 def opd_step_fn(target, drafter, records: list[SequenceRecord], cfg: TrainerConfig,
-                generator: torch.Generator | None = None):
+                generator: torch.Generator | None = None, device: torch.device | None = None):
     """A `train()` step function: replay `sequences_per_step` records per step, picked with
-    ``generator`` (default: seeded with ``cfg.seed``; pass the same one to `train()` to resume it)."""
+    ``generator`` (default: seeded with ``cfg.seed``; pass the same one to `train()` to resume it),
+    on ``device`` (the models' device; None = the CPU). Data-parallel as `replay_records` is."""
     objective = objective_fn(cfg)
     gen = generator if generator is not None else torch.Generator().manual_seed(cfg.seed)
 
     def step_fn(_step: int):
         picks = torch.randint(len(records), (cfg.sequences_per_step,), generator=gen).tolist()
         out = replay_records(target, drafter, [records[i] for i in picks], objective,
-                             anchors_per_sequence=cfg.anchors_per_sequence, generator=gen)
+                             anchors_per_sequence=cfg.anchors_per_sequence, generator=gen,
+                             pooling=cfg.loss_pooling, device=device)
         stats = {"accepted": out.accepted, "rejected": out.rejected,
                  "replayed_tokens": out.num_replayed_tokens}
         return out.loss, stats

@@ -1,0 +1,184 @@
+"""Offline objectives from one bootstrap, over several seeds, with 95% confidence intervals.
+
+From a bootstrap drafter: target rollouts with vLLM on training prompts the
+bootstrap did not see (`data.seed=1`, `data.num_prompts=96` unless
+overridden) and on `--num-held-out` held-out prompts (never trained on),
+both cached under --out. Records = the bootstrap's greedy T=0 blocks on the
+training rollouts. Every arm trains from the bootstrap with
+`trainer.seed = seed`: the Draft-OPD variants (draft_opd; its paper-style
+batch pooling vs `loss_pooling: sequence`; `first_rejected_only`) and
+target_rollout for --steps steps, continued SFT on the training rollouts
+for the trainer seconds draft_opd took at that seed (benchmarks/
+offline_opd_vs_sft.py's `run_arm`). Score = held-out simulated tau: the
+pooled acceptance length of the drafter's greedy blocks over the held-out
+rollouts (`rollout.greedy_blocks`, exact T=0 vLLM proposals per the parity
+tests), so no engine runs per arm. Per arm: mean tau over seeds with a 95%
+t-interval, the gain over the bootstrap, and the paired difference against
+draft_opd at the same seed (same data, same sampling generator). Prints JSON.
+
+    python benchmarks/objectives.py --bootstrap runs/exp/bt-text --out runs/objectives \
+        --json-out benchmarks/results/objectives.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import logging
+import os
+import statistics
+import sys
+from pathlib import Path
+
+import torch
+from offline_opd_vs_sft import run_arm, sft_step_fn  # sibling script: benchmarks/ leads sys.path
+from scipy import stats
+
+from online_opd.config import apply_overrides, load_config
+from online_opd.models.target_model import TargetModel
+from online_opd.opd.rollout import greedy_blocks, pooled_acceptance_length
+from online_opd.traces.records import SequenceRecord
+from online_opd.train.opd import opd_step_fn
+from online_opd.train.sequences import compute_aux_hidden, load_sequences, save_sequences
+from serve.pipeline import generate_rollouts, load_serving_drafter, prepare_sequences, resolve_target
+
+DEFAULT_OVERRIDES = ("data.seed=1", "data.num_prompts=96")  # prompts the bootstrap (data.seed=0) did not see
+REFERENCE_ARM = "draft_opd"
+OPD_ARMS = {  # trainer-config updates of the arms trained on the bootstrap's records
+    "draft_opd": {"objective": "draft_opd"},
+    "draft_opd_sequence_pooling": {"objective": "draft_opd", "loss_pooling": "sequence"},
+    "target_rollout": {"objective": "target_rollout"},
+    "first_rejected_only": {"objective": "draft_opd", "first_rejected_only": True},
+}
+ARMS = (*OPD_ARMS, "sft")
+
+
+def held_out_sequences(cfg, target: Path, folder: Path, num_prompts: int, layer_ids) -> list:
+    """Greedy target rollouts on `num_prompts` held-out prompts with their target features, cached."""
+    features = folder / "sequences.safetensors"
+    if features.exists():
+        return load_sequences(features, layer_ids)
+    held_cfg = apply_overrides(cfg, [f"data.num_prompts={num_prompts}"])
+    sequences = generate_rollouts(held_cfg, target, split="held_out")
+    compute_aux_hidden(TargetModel.from_pretrained(target, dtype=torch.float32), sequences, tuple(layer_ids), desc="held-out features")
+    folder.mkdir(parents=True, exist_ok=True)
+    save_sequences(features, sequences, layer_ids)
+    return sequences
+
+
+def block_records(drafter, sequences) -> list[SequenceRecord]:
+    """The drafter's greedy T=0 blocks on each rollout, as the records Draft-OPD replays."""
+    records = []
+    for i, seq in enumerate(sequences):
+        blocks = greedy_blocks(drafter, seq)
+        if blocks:
+            records.append(SequenceRecord(f"train-{i}", "target", "bootstrap", 0.0, 1.0, 0,
+                                          tuple(seq.tokens.tolist()), seq.prompt_len, tuple(blocks)))
+    return records
+
+
+def score(drafter, sequences) -> dict:
+    """Held-out simulated tau and the acceptance rate at each draft position k (share of blocks with
+    at least k tokens accepted)."""
+    drafter.eval()
+    blocks = [b for seq in sequences for b in greedy_blocks(drafter, seq)]
+    width = drafter.cfg.block_size
+    per_position = [sum(b.num_accepted >= k for b in blocks) / max(len(blocks), 1) for k in range(1, width + 1)]
+    return {"tau": round(pooled_acceptance_length([blocks]), 4), "num_blocks": len(blocks),
+            "acceptance_rate_per_position": [round(a, 4) for a in per_position]}
+
+
+def t_interval(values: list[float], confidence: float = 0.95) -> dict:
+    """Mean with its two-sided Student-t interval over `values` (None bounds with fewer than 2)."""
+    mean = statistics.fmean(values)
+    if len(values) < 2:
+        return {"mean": round(mean, 4), "ci95": None, "n": len(values)}
+    sem = statistics.stdev(values) / len(values) ** 0.5
+    low, high = stats.t.interval(confidence, len(values) - 1, loc=mean, scale=sem) if sem > 0 else (mean, mean)
+    return {"mean": round(mean, 4), "ci95": [round(float(low), 4), round(float(high), 4)], "n": len(values)}
+
+
+def step_fn_maker(arm: str, records, sequences):
+    """``run_arm``'s `make_step_fn` for `arm`."""
+    if arm == "sft":
+        return lambda d, _t, tcfg: sft_step_fn(d, sequences, tcfg)
+    updates = OPD_ARMS[arm]
+    return lambda d, t, tcfg: opd_step_fn(t, d, records, tcfg.model_copy(update=updates))
+
+
+def train_seed(cfg, args, target, seed: int, records, sequences, held) -> dict:
+    """Every arm at one seed: {arm: {steps, trainer_seconds, tau, ...}}; SFT gets draft_opd's seconds."""
+    seed_cfg = apply_overrides(cfg, [f"trainer.seed={seed}"])
+    out, results = args.out / f"seed{seed}", {}
+    for arm in sorted(args.arms, key=lambda a: a != REFERENCE_ARM):
+        kwargs = {"budget": results[REFERENCE_ARM]["trainer_seconds"]} if arm == "sft" else {"steps": args.steps}
+        path, figures = run_arm(arm, seed_cfg, args.bootstrap, target, out,
+                                step_fn_maker(arm, records, sequences), **kwargs)
+        drafter, _ = load_serving_drafter(path, target)
+        results[arm] = {**figures, **score(drafter, held)}
+        logging.info("seed %d %s: %s", seed, arm, results[arm])
+    return results
+
+
+def summarise(per_seed: dict[int, dict], boot_tau: float, arms) -> dict:
+    """Per arm: tau over seeds with its interval, gain over the bootstrap, paired diff vs draft_opd."""
+    seeds = sorted(per_seed)
+    summary = {}
+    for arm in arms:
+        taus = [per_seed[s][arm]["tau"] for s in seeds]
+        entry = {"tau": t_interval(taus), "gain_over_bootstrap": round(statistics.fmean(taus) - boot_tau, 4),
+                 "steps": [per_seed[s][arm]["steps"] for s in seeds],
+                 "trainer_seconds": [per_seed[s][arm]["trainer_seconds"] for s in seeds]}
+        if arm != REFERENCE_ARM and REFERENCE_ARM in arms:
+            diffs = [per_seed[s][arm]["tau"] - per_seed[s][REFERENCE_ARM]["tau"] for s in seeds]
+            entry[f"paired_diff_vs_{REFERENCE_ARM}"] = t_interval(diffs)
+        summary[arm] = entry
+    return summary
+
+
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("-c", "--config", type=Path, default=Path("configs/default.yaml"))
+    parser.add_argument("--bootstrap", type=Path, default=Path("runs/exp/bt-text"), help="bootstrap run folder")
+    parser.add_argument("--out", type=Path, default=Path("runs/objectives"), help="cache and arm runs")
+    parser.add_argument("--steps", type=int, default=30, help="steps of each arm but SFT (equal seconds)")
+    parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    parser.add_argument("--arms", nargs="+", default=list(ARMS), choices=ARMS)
+    parser.add_argument("--num-held-out", type=int, default=48, help="held-out prompts scored")
+    parser.add_argument("--json-out", type=Path, default=None, help="also write the JSON here")
+    parser.add_argument("overrides", nargs="*", help=f"dotted config overrides (after {DEFAULT_OVERRIDES})")
+    args = parser.parse_args()
+    if "sft" in args.arms and REFERENCE_ARM not in args.arms:
+        parser.error(f"--arms: sft trains for {REFERENCE_ARM}'s trainer seconds; add {REFERENCE_ARM}")
+    return args
+
+
+def main() -> None:
+    args = parse_args()
+    logging.basicConfig(level=logging.INFO)
+    cfg = load_config(args.config, [*DEFAULT_OVERRIDES, *args.overrides])
+    target = resolve_target(cfg)
+    boot, _ = load_serving_drafter(args.bootstrap / "drafter", target)
+    layer_ids = boot.target_layer_ids
+    sequences = prepare_sequences(cfg, target, args.out / "train", layer_ids)
+    held = held_out_sequences(cfg, target, args.out / "held_out", args.num_held_out, layer_ids)
+    records = block_records(boot, sequences)
+    boot_score = score(boot, held)
+    per_seed = {seed: train_seed(cfg, args, target, seed, records, sequences, held) for seed in args.seeds}
+    result = {
+        "command": " ".join(sys.argv), "date": datetime.datetime.now(datetime.timezone.utc).isoformat(),
+        "cpu_count": os.cpu_count(), "bootstrap": str(args.bootstrap), "steps": args.steps, "seeds": args.seeds,
+        "overrides": [*DEFAULT_OVERRIDES, *args.overrides], "num_train_sequences": len(sequences),
+        "num_records": len(records), "num_held_out_sequences": len(held), "bootstrap_score": boot_score,
+        "summary": summarise(per_seed, boot_score["tau"], args.arms), "per_seed": per_seed,
+    }
+    text = json.dumps(result, indent=2)
+    if args.json_out is not None:
+        args.json_out.parent.mkdir(parents=True, exist_ok=True)
+        args.json_out.write_text(text + "\n")
+    print(text)
+
+
+if __name__ == "__main__":
+    main()
