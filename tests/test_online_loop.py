@@ -44,8 +44,12 @@ def test_serve_train_gate_publish_reload(tmp_path):
             time.sleep(3)
             m = server.metrics()
             seen = {k: max(v, seen.get(k, 0.0)) for k, v in m.items()}
+            # the reload is seen within a poll of the promotion; the trainer's gate figures (its stats
+            # line, every second) and the promoted version's served acceptance can come a scrape later
             if seen.get("online_opd_reloads_total{result=ok}", 0) >= 1 and \
-                    seen.get("online_opd_drafter_version", 0) >= 2:
+                    seen.get("online_opd_drafter_version", 0) >= 2 and \
+                    seen.get("online_opd_gate_promotions_total", 0) >= 1 and \
+                    sum(k.startswith("online_opd_served_acceptance_length{") for k in seen) >= 2:
                 break
         stop.set()
         sender.join(600)
