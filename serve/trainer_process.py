@@ -68,6 +68,7 @@ class TrainerSpec(BaseModel):
     registry_dir: str
     state_dir: str
     replica: str = ""  # the serving replica (its capture writer id); "" = this host and the server's pid
+    cpus: list[int] | None = None  # cores the child (and the Ray it starts) runs on; None = inherited
 
 
 class TrainerProcess:
@@ -173,12 +174,18 @@ class TrainerProcess:
                 return proc.wait()
 
     def _spawn(self) -> subprocess.Popen:
+        engine = engine_cores(os.getpid())
+        cpus = cores_beside(engine)
         proc = subprocess.Popen(self.command, cwd=ROOT, text=True, stdin=subprocess.PIPE,
                                 stdout=subprocess.PIPE, bufsize=1, start_new_session=True)
-        proc.stdin.write(self.spec.model_dump_json() + "\n")
+        proc.stdin.write(self.spec.model_copy(update={"cpus": cpus}).model_dump_json() + "\n")
         proc.stdin.flush()
         self._line_at = time.monotonic()  # under self._lock (_supervise)
-        logger.info("online trainer process started (pid %d)", proc.pid)
+        if cpus is None:
+            logger.info("online trainer process started (pid %d)", proc.pid)
+        else:
+            logger.info("online trainer process started (pid %d) on cores %s, beside the engine's workers "
+                        "on %s", proc.pid, cpus, sorted(engine))
         return proc
 
     def _read(self, lines: IO[str]) -> None:
@@ -217,6 +224,44 @@ class TrainerProcess:
             if not self._is_file_failing:
                 logger.warning("cannot write the trainer's stats to %s: %s", self.stats_file, exc)
             self._is_file_failing = True
+
+
+def engine_cores(root_pid: int) -> set[int]:
+    """Cores the threads of vLLM's CPU workers under ``root_pid`` are bound to, one core a thread
+    (vLLM binds each OpenMP thread of a CPU worker to a core of its own); empty without such a worker
+    (not started yet, a GPU worker, ``VLLM_CPU_OMP_THREADS_BIND=nobind``)."""
+    import psutil
+
+    cores: set[int] = set()
+    try:
+        children = psutil.Process(root_pid).children(recursive=True)
+    except psutil.Error:
+        return cores
+    for proc in children:
+        try:
+            if proc.name() != "VLLM::Worker":
+                continue
+            for thread in proc.threads():
+                mask = os.sched_getaffinity(thread.id)
+                if len(mask) == 1:
+                    cores |= mask
+        except (psutil.Error, OSError):  # gone meanwhile
+            continue
+    return cores
+
+
+def cores_beside(engine: set[int]) -> list[int] | None:
+    """The cores this process may use that the engine's workers are not bound to; None when there are
+    none to give, or nothing to avoid.
+
+    Why: a process that imports torch pins itself to each of its cores in turn (MKL counting cores),
+    and here that call waited minutes on a core a busy worker held, so a trainer restarted under
+    traffic hung (tests/test_faults.py). Off the engine's cores it also leaves the engine's OpenMP
+    threads, which wait on each other every step, undisturbed."""
+    if not engine:
+        return None
+    free = sorted(os.sched_getaffinity(0) - engine)
+    return free or None
 
 
 def _dump_stacks(pid: int, wait_s: float = 2.0) -> None:
@@ -261,17 +306,26 @@ def _poll(handle, replica: str | None) -> tuple[dict | None, bool]:
         return None, False
 
 
+def read_spec(lines: IO[str]) -> TrainerSpec:
+    """The child's first step: its spec, and the cores it was given, taken before torch is imported
+    (``cores_beside``); the Ray processes it starts inherit them."""
+    spec = TrainerSpec.model_validate_json(lines.readline())
+    if spec.cpus:
+        os.sched_setaffinity(0, spec.cpus)
+    return spec
+
+
 def main() -> int:
     faulthandler.register(signal.SIGUSR1, all_threads=True)  # the supervisor's view into a hung child
     protocol = os.fdopen(os.dup(sys.stdout.fileno()), "w", buffering=1)
     os.dup2(sys.stderr.fileno(), sys.stdout.fileno())  # Ray and stray prints: to the log, not the protocol
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    spec = read_spec(sys.stdin)
     from online_opd.config import OnlineOPDConfig
     from online_opd.traces.buffer import default_writer_id
     from serve.signals import stop_on_signals
     from serve.trainer_actor import start_trainer, stop_trainer
 
-    spec = TrainerSpec.model_validate_json(sys.stdin.readline())
     cfg = OnlineOPDConfig.model_validate(spec.config)
     replica = (spec.replica or default_writer_id(os.getppid())) if cfg.online.ray_address is not None else None
     stop = threading.Event()

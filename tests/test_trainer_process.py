@@ -6,10 +6,12 @@ tests/test_faults.py."""
 from __future__ import annotations
 
 import logging
+import os
 import sys
 import time
 
 import psutil
+import pytest
 
 from serve.trainer_process import TrainerProcess, TrainerSpec
 from vllm_patches.endpoint import read_trainer_stats_file
@@ -124,3 +126,53 @@ def test_a_hung_child_has_its_stacks_logged_and_is_replaced(tmp_path, caplog, ca
     assert sum("it is hung" in m for m in messages) == 1, messages
     assert sum("it hung, or was killed" in m for m in messages) == 1, messages
     assert "in stuck_starting_ray" in capfd.readouterr().err  # the child's own stacks, from faulthandler
+
+
+# vLLM's CPU worker as the supervisor sees it: a process named VLLM::Worker with one thread bound to core 0
+FAKE_WORKER = r"""
+import ctypes, os, threading, time
+ctypes.CDLL(None).prctl(15, b"VLLM::Worker", 0, 0, 0)  # PR_SET_NAME
+bound = threading.Event()
+def omp_thread():
+    os.sched_setaffinity(0, {0})  # this thread only, as vLLM binds each OpenMP thread
+    bound.set()
+    time.sleep(600)
+threading.Thread(target=omp_thread, daemon=True).start()
+bound.wait()
+print("bound", flush=True)
+time.sleep(600)
+"""
+
+AFFINITY_CHILD = r"""
+import json, os, sys
+from serve.trainer_process import read_spec
+spec = read_spec(sys.stdin)
+print(json.dumps({"pid": os.getpid(), "cpus": spec.cpus, "affinity": sorted(os.sched_getaffinity(0))}), flush=True)
+sys.stdin.readline()
+"""
+
+
+def test_the_trainer_child_runs_beside_the_engine_workers_cores(tmp_path):
+    import subprocess
+
+    from serve.trainer_process import cores_beside, engine_cores
+
+    allowed = os.sched_getaffinity(0)
+    if 0 not in allowed or len(allowed) < 2:
+        pytest.skip(f"needs core 0 and another core; this process may use {sorted(allowed)}")
+    assert engine_cores(os.getpid()) == set() and cores_beside(set()) is None  # no worker yet: inherited
+    worker = subprocess.Popen([sys.executable, "-c", FAKE_WORKER], stdout=subprocess.PIPE, text=True)
+    try:
+        assert worker.stdout.readline().strip() == "bound"
+        assert engine_cores(os.getpid()) == {0}  # its main thread, bound to no single core, is not counted
+        spec = TrainerSpec(config={}, target_path="t", buffer_dir="b", registry_dir="r", state_dir=str(tmp_path))
+        trainer = TrainerProcess(spec, command=[sys.executable, "-c", AFFINITY_CHILD])
+        trainer.start()
+        wait_for(lambda: trainer.stats().get("up"))
+        stats = trainer.stats()
+        trainer.stop(timeout=10)
+    finally:
+        worker.kill()
+        worker.wait()
+    assert stats["cpus"] == stats["affinity"] == sorted(allowed - {0}), stats
+    assert cores_beside({0, *allowed}) is None  # the engine holds every core: nothing to give
