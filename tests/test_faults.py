@@ -129,7 +129,15 @@ class Traffic:
         self.stop.set()
         self.thread.join(600)
 
-    def finish(self) -> dict:
+    def finish(self, timeout: float = 300.0) -> dict:
+        # A fault can heal before the traffic's first request finished (a torn CURRENT is repaired on the
+        # reloader's next 0.5 s poll): keep the traffic going until a request captured since its start
+        # is in the buffer, so the checks below see requests that went through the fault.
+        deadline = time.monotonic() + timeout
+        while not any(r.captured_at >= self.started_at
+                      for r in BufferReader(self.server.buffer).iter_records(after=self.cursor)):
+            assert time.monotonic() < deadline, f"no captured request in {timeout:.0f}s\n{self.server.tail(6000)}"
+            time.sleep(1.0)
         self.__exit__()
         records = [r for r in settled_records(self.server, self.cursor) if r.captured_at >= self.started_at]
         corrupt = BufferReader(self.server.buffer).stats()["corrupt_segments"]
