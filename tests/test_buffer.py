@@ -370,7 +370,8 @@ def test_cli_stats_and_show_print_json(tmp_path, capsys):
     assert {k: lines[0][k] for k in ("accepted", "drafted", "num_blocks", "tau", "prompt_len")} == {
         "accepted": 6, "drafted": 8, "num_blocks": 2, "tau": 4.0, "prompt_len": 3}
     assert lines[0]["blocks"][0] == {"anchor": 2, "draft_tokens": [1003, 1004, 1005, 1006], "num_accepted": 2,
-                                     "drafter_version": None, "is_context_pure": True, "num_plain_steps": 0}
+                                     "drafter_version": None, "is_context_pure": True, "num_plain_steps": 0,
+                                     "proposer": "drafter"}
 
     _, out = _cli(capsys, "buffer", "show", str(tmp_path), "--limit", "1")
     assert [json.loads(line)["record_id"] for line in out.splitlines()] == ["req-0"]

@@ -73,6 +73,7 @@ SEGMENT_SCHEMA = pa.schema([
         ("drafter_version", pa.string()),  # absent in older segments: read as null (the record's)
         ("is_context_pure", pa.bool_()),  # absent in older segments: read as null (pure)
         ("num_plain_steps", pa.int32()),  # absent in older segments: read as null (0)
+        ("proposer", pa.string()),  # absent in older segments: read as null ("drafter")
     ]))),
     ("events", pa.string()),  # JSON list: events are free-form dicts
     ("captured_at", pa.float64()),

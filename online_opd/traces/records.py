@@ -41,6 +41,12 @@ the old ones computed) is still a valid training example, since replay
 recomputes q from the target's features, but it measures neither version:
 per-version acceptance figures count ``pure_blocks_by_version`` only.
 
+Proposers. With the ngram fallback (online_opd/speculation/hybrid.py) a block may
+have been drafted by prompt lookup instead of the drafter (``BlockRecord.proposer``
+"ngram"; "drafter" in records written before the field existed). Such a block
+keeps the chain and the fidelity contract like any other, but replay and the
+per-version figures leave it out: it says nothing of the drafter's weights.
+
 What lives elsewhere: capture (vllm_patches/), storage (online_opd/traces/buffer),
 replay of records into training tensors (online_opd/opd/replay.py).
 """
@@ -49,6 +55,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Any
+
+DRAFTER, NGRAM = "drafter", "ngram"  # BlockRecord.proposer (speculation/hybrid.py uses the same names)
+PROPOSERS = (DRAFTER, NGRAM)
 
 
 @dataclass(frozen=True)
@@ -61,6 +70,12 @@ class BlockRecord:
     drafter_version: str | None = None  # version whose weights drafted it; None = the record's
     is_context_pure: bool = True  # the drafter's context K/V were all computed by those weights
     num_plain_steps: int = 0  # steps without a draft since the previous block (module docstring)
+    proposer: str = DRAFTER  # who drafted it: the drafter, or prompt lookup ("ngram", speculation/hybrid.py)
+
+    @property
+    def is_drafters(self) -> bool:
+        """Drafted by the drafter's weights (not by the ngram fallback): a block that speaks of them."""
+        return self.proposer == DRAFTER
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -70,17 +85,21 @@ class BlockRecord:
             "drafter_version": self.drafter_version,
             "is_context_pure": self.is_context_pure,
             "num_plain_steps": self.num_plain_steps,
+            "proposer": self.proposer,
         }
 
     @classmethod
     def from_dict(cls, data: Any, where: str = "block") -> "BlockRecord":
         """Parse a dict from ``to_dict``; ValueError names the bad field. The version, purity and
-        plain-step fields may be missing or null (records captured before they existed): None, True
-        and 0."""
+        plain-step and proposer fields may be missing or null (records captured before they existed):
+        None, True, 0 and "drafter"."""
         data = _require_dict(data, where)
         version = data.get("drafter_version")
         if version is not None and not isinstance(version, str):
             raise ValueError(f"{where}.drafter_version must be a str or null, got {version!r}")
+        proposer = data.get("proposer")
+        if proposer is not None and proposer not in PROPOSERS:
+            raise ValueError(f"{where}.proposer must be one of {PROPOSERS} or null, got {proposer!r}")
         is_pure = data.get("is_context_pure")
         if is_pure is not None and not isinstance(is_pure, bool):
             raise ValueError(f"{where}.is_context_pure must be a bool or null, got {is_pure!r}")
@@ -91,6 +110,7 @@ class BlockRecord:
             drafter_version=version,
             is_context_pure=True if is_pure is None else is_pure,
             num_plain_steps=_count_field(data, "num_plain_steps", where),
+            proposer=DRAFTER if proposer is None else proposer,
         )
 
 
@@ -164,10 +184,11 @@ def acceptance_length(num_accepted: float, num_drafts: float) -> float | None:
 
 
 def pure_blocks_by_version(record: SequenceRecord) -> dict[str, list[BlockRecord]]:
-    """The record's pure blocks grouped by the version that drafted them, in drafting order."""
+    """The record's pure blocks grouped by the version that drafted them, in drafting order (the
+    drafter's blocks only: an ngram-fallback block says nothing of a version's weights)."""
     out: dict[str, list[BlockRecord]] = {}
     for block in record.blocks:
-        if block.is_context_pure:
+        if block.is_context_pure and block.is_drafters:
             version = record.drafter_version if block.drafter_version is None else block.drafter_version
             out.setdefault(version, []).append(block)
     return out

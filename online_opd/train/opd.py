@@ -63,8 +63,9 @@ def objective_fn(cfg: TrainerConfig) -> Callable:
 
 
 def replayable_blocks(record: SequenceRecord, block_size: int) -> tuple[BlockRecord, ...]:
-    """The record's logged blocks a drafter of block size K can replay: 1..K tokens long."""
-    return tuple(b for b in record.blocks if 1 <= len(b.draft_tokens) <= block_size)
+    """The record's logged blocks a drafter of block size K can replay: the drafter's own (not the ngram
+    fallback's), 1..K tokens long."""
+    return tuple(b for b in record.blocks if b.is_drafters and 1 <= len(b.draft_tokens) <= block_size)
 
 
 def plan_replay(target, drafter, record: SequenceRecord,
