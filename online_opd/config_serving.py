@@ -46,6 +46,28 @@ class CaptureConfig(StrictModel):
         return check_location(value) if isinstance(value, (str, Path)) else value
 
 
+class NgramFallbackConfig(StrictModel):
+    """`serve.ngram_fallback`: prompt lookup replaces the drafter's block where it pays (speculation/hybrid.py)."""
+
+    enabled: bool = Field(
+        False, description="Where a request's context has a full-length prompt-lookup match (vLLM's ngram method), "
+                           "draft it instead of the drafter's block when that request's (else all requests') "
+                           "ngram blocks were accepted at least as well as the drafter's. Needs speculation "
+                           "(auto or always) and synchronous scheduling (vLLM's CPU backend); output unchanged.")
+    prompt_lookup_min: int = Field(2, ge=1, description="Shortest context suffix matched (vLLM prompt_lookup_min).")
+    prompt_lookup_max: int = Field(4, ge=1, description="Longest context suffix matched (vLLM prompt_lookup_max).")
+    explore_every: int = Field(
+        16, ge=1, description="A request whose matches lose to the drafter still takes every N-th one, so both "
+                              "stay measured.")
+
+    @model_validator(mode="after")
+    def _lookup_range(self) -> "NgramFallbackConfig":
+        if self.prompt_lookup_max < self.prompt_lookup_min:
+            raise ValueError(f"prompt_lookup_max ({self.prompt_lookup_max}) must be >= prompt_lookup_min "
+                             f"({self.prompt_lookup_min})")
+        return self
+
+
 class ServeConfig(StrictModel):
     """`online-opd serve`: the OpenAI-compatible server and its admin surface."""
 
@@ -73,6 +95,7 @@ class ServeConfig(StrictModel):
     policy_explore_steps: int = Field(
         3, ge=2, description="speculation auto: steps per exploration burst (the first drafts only, the "
                              "others verify and are timed).")
+    ngram_fallback: NgramFallbackConfig = Field(default_factory=NgramFallbackConfig)
     run_dir: Path = Field(Path("runs/serve"), description="Server state: registry, trainer state, logs.")
     registry_dir: Path | None = Field(None, description="Drafter registry; null = <run_dir>/registry.")
     admin_token_env: str = Field(

@@ -152,10 +152,11 @@ def serve_env(cfg: OnlineOPDConfig, target: Path, drafter: Path, *, capture: boo
     """Environment for vLLM's processes: plugin allowlist and online-opd settings."""
     from online_opd.models.drafters.checkpoint import read_manifest
     from serve.cpu_runtime import runtime_env_for
-    from vllm_patches import CAPTURE_ENV, SPECULATION_ENV
+    from vllm_patches import CAPTURE_ENV, NGRAM_FALLBACK_ENV, SPECULATION_ENV
     from vllm_patches.capture import CaptureSettings
     from vllm_patches.endpoint import SERVE_ENV, EndpointSettings
     from vllm_patches.model_runner import v1_runner_env
+    from vllm_patches.ngram_fallback import NgramFallbackSettings
     from vllm_patches.speculation import SpeculationSettings
     from vllm_patches.speculation_loop import PolicySettings
 
@@ -180,6 +181,11 @@ def serve_env(cfg: OnlineOPDConfig, target: Path, drafter: Path, *, capture: boo
     if sc.speculation == "auto":
         env[SPECULATION_ENV] = SpeculationSettings(explore_share=sc.policy_explore_share,
                                                    explore_steps=sc.policy_explore_steps).to_env()
+    nf = sc.ngram_fallback
+    if nf.enabled and sc.speculation != "never":
+        env[NGRAM_FALLBACK_ENV] = NgramFallbackSettings(
+            prompt_lookup_min=nf.prompt_lookup_min, prompt_lookup_max=nf.prompt_lookup_max,
+            explore_every=nf.explore_every).to_env()
     c = cfg.capture
     if capture and c.enabled:
         env[CAPTURE_ENV] = CaptureSettings(

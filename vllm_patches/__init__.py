@@ -8,7 +8,10 @@
   environment variable (set by ``online-opd serve``), with the admission check
   of the capture opt-out flag (``request_checks.py``). With ``ONLINE_OPD_SPECULATION``
   (``online-opd serve --speculation auto``) it installs the speculation control
-  (``speculation.py``: the runtime K schedule, step costs, exploration).
+  (``speculation.py``: the runtime K schedule, step costs, exploration). With
+  ``ONLINE_OPD_NGRAM_FALLBACK`` (``serve.ngram_fallback.enabled``) it installs the
+  ngram fallback (``ngram_fallback.py``: prompt lookup replaces the drafter's block
+  where it pays, in the worker).
 - ``worker_ext.OnlineOPDWorkerExtension`` is passed as ``--worker-extension-cls``:
   drafter hot reload and capture figures, called with ``collective_rpc``.
 - ``endpoint.OnlineOPDEndpoints`` is the ``vllm.endpoint_plugins`` entry point:
@@ -32,6 +35,8 @@ CAPTURE_ENV = "ONLINE_OPD_CAPTURE"
 #: JSON speculation-control settings for the engine core (see speculation.SpeculationSettings).
 SPECULATION_ENV = "ONLINE_OPD_SPECULATION"
 SERVE_ENV = "ONLINE_OPD_SERVE"  # the endpoint plugin's settings (endpoint.py)
+#: JSON ngram-fallback settings for worker processes (see ngram_fallback.NgramFallbackSettings).
+NGRAM_FALLBACK_ENV = "ONLINE_OPD_NGRAM_FALLBACK"
 
 
 class UnsupportedVLLMVersion(RuntimeError):
@@ -78,13 +83,18 @@ def register() -> None:
     from vllm_patches import cpu_fixes
 
     cpu_fixes.apply()
-    if any(os.environ.get(name) for name in (SPECULATION_ENV, CAPTURE_ENV, SERVE_ENV)):
+    if any(os.environ.get(name) for name in (SPECULATION_ENV, CAPTURE_ENV, SERVE_ENV, NGRAM_FALLBACK_ENV)):
         own_log_handler()  # a process vLLM spawned for online-opd serve has none yet
     if os.environ.get(SPECULATION_ENV):
         check_vllm_version()
         from vllm_patches import speculation
 
         speculation.install_from_env()  # acts in the engine core, where the scheduler lives
+    if os.environ.get(NGRAM_FALLBACK_ENV):
+        check_vllm_version()
+        from vllm_patches import ngram_fallback
+
+        ngram_fallback.install_from_env()  # acts in the worker, where the drafts are made
     if not os.environ.get(CAPTURE_ENV):
         return
     check_vllm_version()

@@ -50,6 +50,9 @@ Tokens after a *stop string* (matched by the front end on text) stay in the
 record: they are still the target's tokens.
 Blocks drafted after the last kept token are dropped.
 
+Proposers. With the ngram fallback (ngram_fallback.py) a block may come from
+prompt lookup, not the drafter; ``snapshot_step`` tags it (``BlockRecord.proposer``).
+
 Only one rank captures (tensor-parallel rank 0 of the last pipeline stage).
 Nothing here raises into vLLM: errors are logged once and counted.
 """
@@ -71,6 +74,7 @@ from pydantic import BaseModel, ConfigDict
 
 from online_opd.traces.records import BlockRecord, SequenceRecord
 from online_opd.traces.writer import BufferWriter
+from vllm_patches import ngram_fallback
 from vllm_patches.request_checks import OPT_OUT_KEY, read_capture_flag
 
 logger = logging.getLogger("online_opd.capture")
@@ -151,7 +155,7 @@ class _Tracked:
         self.preemptions_at_last_block = block.num_preemptions
         self.blocks.append(BlockRecord(block.anchor, tuple(ids), num_accepted, drafter_version=block.version,
                                        is_context_pure=block.is_context_pure,
-                                       num_plain_steps=self.num_plain_steps))
+                                       num_plain_steps=self.num_plain_steps, proposer=block.proposer))
         self.num_plain_steps = 0
 
 
@@ -164,6 +168,7 @@ class _Drafted(NamedTuple):
     version: str  # drafted by
     is_context_pure: bool
     num_preemptions: int  # the request's preemptions when the step ran
+    proposer: str  # the drafter, or the ngram fallback (ngram_fallback.py)
 
 
 @dataclass
@@ -224,7 +229,8 @@ class Capture:
             computed = input_batch.num_computed_tokens_cpu
             for i, (rid, n) in enumerate(zip(input_batch.req_ids, metadata.num_draft_tokens)):
                 if n > 0 and (t := self._tracked.get(rid)) is not None:
-                    blocks[rid] = _Drafted(int(computed[i]), offset, int(n), *t.verifying, t.num_preemptions)
+                    blocks[rid] = _Drafted(int(computed[i]), offset, int(n), *t.verifying, t.num_preemptions,
+                                           ngram_fallback.proposer_of(rid))
                 offset += n
         if not blocks:
             return None

@@ -65,6 +65,7 @@ from pydantic import BaseModel, ConfigDict
 from vllm_patches import SERVE_ENV
 from vllm_patches.metrics import (
     ACTIVITY_SERIES,
+    NGRAM_FALLBACK_COUNTERS,
     SPEC_SERIES,
     MultiprocessMirror,
     PolledCollector,
@@ -72,6 +73,7 @@ from vllm_patches.metrics import (
     ServedAcceptance,
     SpeculationCollector,
     TrainerCollector,
+    drafter_totals,
     engine_activity,
     is_multiprocess,
     sample_sums,
@@ -132,6 +134,10 @@ def merge_engine_statuses(per_engine: list[dict]) -> dict | None:
         writers = [c["writer"] for c in captures if c.get("writer")]
         if writers:
             out["capture"]["writer"] = _merge_counts(writers)
+    fallbacks = [e["ngram_fallback"] for e in per_engine if e.get("ngram_fallback")]
+    if fallbacks:
+        out["ngram_fallback"] = dict(fallbacks[0], **{
+            key: sum(f.get(key) or 0 for f in fallbacks) for key in NGRAM_FALLBACK_COUNTERS})
     versions = [e.get("version") for e in per_engine]
     if len(set(versions)) > 1:
         out["versions"] = versions
@@ -263,7 +269,7 @@ class OnlineOPDService(RegistryFollower):
 
     async def status(self) -> dict | None:
         self.latest = await self.engine_status()
-        self.served.update(self.version, *spec_totals(self._prom))
+        self.served.update(self.version, *drafter_totals(spec_totals(self._prom), self.latest))
         return self.latest
 
     async def _poll_forever(self) -> None:
@@ -275,7 +281,8 @@ class OnlineOPDService(RegistryFollower):
                     await self.status()  # reads vLLM's counters again, after the workers answered
                     pacer.polled(time.monotonic())
                 else:  # an idle engine: its workers' figures did not move, vLLM's counters are local
-                    self.served.update(self.version, *(sums[name] for name in SPEC_SERIES))
+                    totals = tuple(sums[name] for name in SPEC_SERIES)
+                    self.served.update(self.version, *drafter_totals(totals, self.latest))
             except asyncio.CancelledError:
                 raise
             except Exception as exc:
@@ -334,7 +341,8 @@ class OnlineOPDService(RegistryFollower):
                     "path": str(path)}
         checked = time.perf_counter()
         async with self._reload_lock:
-            self.served.update(self.version, *spec_totals(self._prom))  # close the old version's window
+            # close the old version's window
+            self.served.update(self.version, *drafter_totals(spec_totals(self._prom), self.latest))
             rpc_start = time.perf_counter()
             results = await self._reload_paused(path, sha256, verified, pinned_current)
             wall = time.perf_counter() - rpc_start

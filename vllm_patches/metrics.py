@@ -42,6 +42,22 @@ CAPTURE_COUNTERS = {
 }
 
 
+#: the ngram fallback's counters (ngram_fallback.py), summed over engines
+NGRAM_FALLBACK_COUNTERS = ("drafter_blocks", "drafter_accepted", "ngram_blocks", "ngram_accepted", "ngram_proposed",
+                           "matches", "errors")
+
+
+def drafter_totals(totals: tuple[float, float], status: dict | None) -> tuple[float, float]:
+    """vLLM's cumulative (drafts, accepted tokens) less the ngram fallback's blocks: what the drafter's
+    own blocks were accepted, for live acceptance per drafter version. The worker counts a block when
+    the step that verified it drafts; vLLM's counters move when the API server reads that step, a
+    moment later: a window may hold a block or two of skew, never a negative count."""
+    fallback = (status or {}).get("ngram_fallback") or {}
+    drafts, accepted = totals
+    return (max(drafts - float(fallback.get("ngram_blocks") or 0), 0.0),
+            max(accepted - float(fallback.get("ngram_accepted") or 0), 0.0))
+
+
 def version_gauge(version: str | None) -> float:
     """``v0012`` -> 12.0 for the version gauge; NaN for a name outside the registry's scheme."""
     number = version_number(version or "")
@@ -84,6 +100,24 @@ class PolledCollector(Collector):
                                  labels=["version"])
         info.add_metric([str(version)], 1.0)
         yield info
+        fallback = status.get("ngram_fallback")
+        if fallback:
+            yield from _ngram_fallback_families(fallback)
+
+
+def _ngram_fallback_families(fallback: dict):
+    """``online_opd_ngram_fallback_*``: verified blocks and accepted tokens per proposer, matches."""
+    for what, name, doc in [("blocks", "blocks", "Verified blocks with the ngram fallback on, by proposer."),
+                            ("accepted", "accepted_tokens", "Accepted draft tokens of those blocks, by proposer.")]:
+        family = CounterMetricFamily(f"{PREFIX}_ngram_fallback_{name}", doc, labels=["proposer"])
+        for proposer in ("drafter", "ngram"):
+            family.add_metric([proposer], float(fallback.get(f"{proposer}_{what}") or 0))
+        yield family
+    for key, doc in [("matches", "Drafted requests whose context had a full-length prompt-lookup match."),
+                     ("errors", "Internal ngram fallback errors (the drafter's block kept; never raised).")]:
+        family = CounterMetricFamily(f"{PREFIX}_ngram_fallback_{key}", doc)
+        family.add_metric([], float(fallback.get(key) or 0))
+        yield family
 
 
 class TrainerCollector(Collector):

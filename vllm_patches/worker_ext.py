@@ -269,8 +269,10 @@ class OnlineOPDWorkerExtension:
     def online_opd_status(self) -> dict:
         """Drafter version serving, reload counts and capture figures of this worker."""
         state = self._online_opd_state()
-        from vllm_patches import capture
+        from vllm_patches import capture, ngram_fallback
 
-        cap = capture.current()
+        cap, fallback = capture.current(), ngram_fallback.current()
         return {"version": state["version"], "path": str(state["path"]) if state["path"] else None,
-                "pinned_current": state["pinned_current"], "reloads": dict(state["reloads"]), "capture": cap.stats() if cap is not None else None}
+                "pinned_current": state["pinned_current"], "reloads": dict(state["reloads"]),
+                "capture": cap.stats() if cap is not None else None,
+                "ngram_fallback": fallback.stats() if fallback is not None else None}
