@@ -14,7 +14,15 @@ servers on identical requests (held-out ShareGPT prompts, temperature 0,
   the fastest plain settings benchmarks/plain_settings.py found), no
   speculative config and no online-opd plugin;
 - (unless --no-ngram) the same plain server with vLLM's built-in `ngram`
-  speculation (prompt lookup 2-4, K=4): what a user gets without training.
+  speculation (prompt lookup 2-4, K=4): what a user gets without training;
+- (--ngram-fallback) `online-opd serve` as above with `--ngram-fallback`
+  (mode `online-opd+ngram`): prompt lookup replaces the drafter's block where a
+  request's context matches and such blocks were accepted better
+  (vllm_patches/ngram_fallback.py); and (--always) the same with
+  `--speculation always` (mode `always+ngram`), K every step.
+
+`--prompts humaneval` measures on HumanEval (code: copy-heavy, a domain the
+drafter never saw) instead of held-out ShareGPT; `--concurrency` picks the loads.
 
 A round starts one server per mode; each mode goes first in turn. Per
 server and concurrency: warm-up requests, then a fixed closed-loop load; the
@@ -25,6 +33,8 @@ t(b, K), the fitted cost model, the break-even tau (t(b, K) / t(b, 0)) per batch
 size, the exploration share and the drafts vLLM verified.
 
     python benchmarks/speculation_policy.py --rounds 2 --out benchmarks/results/speculation_policy.json
+    python benchmarks/speculation_policy.py --prompts humaneval --ngram-fallback --always \
+        --concurrency 1 8 --out benchmarks/results/ngram_fallback.json
 
 One JSON object on stdout (also written to --out); logs on stderr. The machine
 is shared (2 cores): a round's ratio moves by several percent either way.
@@ -76,8 +86,9 @@ def make_fresh_drafter(cfg_path: Path, out: Path) -> tuple[Path, Path]:
 
 def measure(url: str, args: argparse.Namespace) -> dict[str, Any]:
     out: dict[str, Any] = {}
-    for concurrency in CONCURRENCIES:
-        common = dict(base_url=f"{url}/v1", prompts="sharegpt", split="held_out", num_prompts=256,
+    for concurrency in args.concurrency:
+        split = "held_out" if args.prompts == "sharegpt" else "all"
+        common = dict(base_url=f"{url}/v1", prompts=args.prompts, split=split, num_prompts=256,
                       max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True, concurrency=concurrency,
                       progress=False)
         run_load(LoadConfig(**common, seed=1, num_requests=max(args.warmup, concurrency)))
@@ -113,6 +124,19 @@ def policy_figures(server: ServerProcess, max_k: int) -> dict[str, Any]:
     }
 
 
+def fallback_figures(before: dict[str, float], after: dict[str, float]) -> dict[str, Any]:
+    """The ngram fallback's verified blocks and accepted tokens per proposer over the measurement,
+    and the drafter version's live tau (its own blocks only)."""
+    out: dict[str, Any] = {}
+    for proposer in ("drafter", "ngram"):
+        blocks = after.get(f"online_opd_ngram_fallback_blocks_total{{proposer={proposer}}}", 0.0) \
+            - before.get(f"online_opd_ngram_fallback_blocks_total{{proposer={proposer}}}", 0.0)
+        accepted = after.get(f"online_opd_ngram_fallback_accepted_tokens_total{{proposer={proposer}}}", 0.0) \
+            - before.get(f"online_opd_ngram_fallback_accepted_tokens_total{{proposer={proposer}}}", 0.0)
+        out[proposer] = {"blocks": blocks, "tau": round(1 + accepted / blocks, 4) if blocks else None}
+    return out
+
+
 def run_mode(mode: str, run_dir: Path, target: Path, drafter: Path, args: argparse.Namespace) -> dict:
     start = time.perf_counter()
     if mode in ("plain", "ngram"):
@@ -126,13 +150,23 @@ def run_mode(mode: str, run_dir: Path, target: Path, drafter: Path, args: argpar
                                       runtime_env=runtime_env_for(cfg.cpu.openmp, cfg.cpu.reserved_cores))
     else:
         extra = [] if args.train else ["--drafter", str(drafter)]
+        if mode.endswith("+ngram"):
+            extra.append("--ngram-fallback")
+        if mode.startswith("always"):
+            extra += ["--speculation", "always"]
         server = ServerProcess(run_dir, args.config, *extra, "--max-num-seqs", str(args.max_num_seqs), token=TOKEN)
     try:
         server.wait_ready(timeout=900)
         logger.info("%s: ready in %.0f s", mode, time.perf_counter() - start)
+        before = server.metrics()
         result: dict[str, Any] = {"by_concurrency": measure(server.url, args)}
-        if mode == "online-opd":
+        if mode == "online-opd" or mode == "online-opd+ngram":
             result["policy"] = policy_figures(server, args.max_k)
+        if mode.endswith("+ngram"):
+            after = server.metrics()
+            result["fallback"] = fallback_figures(before, after)
+            served, drafts = tau(before, after)
+            result["fallback"]["all_blocks"] = {"blocks": drafts, "tau": round(served, 4)}
         elif mode == "ngram":
             served, drafts = tau({"vllm:spec_decode_num_drafts_total": 0, "vllm:spec_decode_num_accepted_tokens_total": 0},
                                  server.metrics())
@@ -142,9 +176,9 @@ def run_mode(mode: str, run_dir: Path, target: Path, drafter: Path, args: argpar
         server.stop()
 
 
-def summarize(rounds: list[dict]) -> dict[str, Any]:
+def summarize(rounds: list[dict], concurrencies) -> dict[str, Any]:
     out = {}
-    for c in map(str, CONCURRENCIES):
+    for c in map(str, concurrencies):
         ratios = [r["ratio"][c] for r in rounds if r["ratio"][c] is not None]
         median = round(statistics.median(ratios), 4) if ratios else None
         out[c] = {"ratio_median": median, "ratio_per_round": ratios,
@@ -155,6 +189,11 @@ def summarize(rounds: list[dict]) -> dict[str, Any]:
         if ngram:
             out[c]["ngram_ratio_median"] = round(statistics.median(ngram), 4)
             out[c]["ngram_ratio_per_round"] = ngram
+        for mode in ("online-opd+ngram", "always+ngram"):
+            ratios = [r["ratio_by_mode"][mode][c] for r in rounds if r["ratio_by_mode"].get(mode, {}).get(c)]
+            if ratios:
+                out[c][f"{mode}_ratio_median"] = round(statistics.median(ratios), 4)
+                out[c][f"{mode}_ratio_per_round"] = ratios
     return out
 
 
@@ -169,6 +208,14 @@ def main() -> None:
     parser.add_argument("--max-k", type=int, default=4, help="the drafter's block size (break-even taus)")
     parser.add_argument("--ngram", action=argparse.BooleanOptionalAction, default=True,
                         help="also measure vLLM's built-in ngram speculation, the untrained baseline (default on)")
+    parser.add_argument("--ngram-fallback", action="store_true",
+                        help="also measure online-opd serve --ngram-fallback (mode online-opd+ngram)")
+    parser.add_argument("--always", action="store_true",
+                        help="with --ngram-fallback: also with --speculation always (mode always+ngram)")
+    parser.add_argument("--prompts", choices=("sharegpt", "humaneval"), default="sharegpt",
+                        help="held-out ShareGPT (default) or HumanEval (code, a domain the drafter never saw)")
+    parser.add_argument("--concurrency", type=int, nargs="+", default=list(CONCURRENCIES),
+                        help="closed-loop concurrencies measured (default 1 8 32)")
     parser.add_argument("--train", action="store_true", help="online-opd serve with its online trainer on")
     parser.add_argument("--out", type=Path, default=None, help="also write the JSON here")
     args = parser.parse_args()
@@ -181,7 +228,9 @@ def main() -> None:
         target, drafter = make_fresh_drafter(args.config, base / "fresh-drafter")
         rounds = []
         for r in range(args.rounds):
-            names = ["online-opd", "plain"] + (["ngram"] if args.ngram else [])
+            names = ["online-opd", "plain"] + (["ngram"] if args.ngram else []) \
+                + (["online-opd+ngram"] if args.ngram_fallback else []) \
+                + (["always+ngram"] if args.ngram_fallback and args.always else [])
             order = names[r % len(names):] + names[: r % len(names)]  # each mode goes first in turn
             modes = {m: run_mode(m, base / f"round{r}-{m}", target, drafter, args) for m in order}
             tps = {m: {c: v["output_tokens_per_s"] for c, v in modes[m]["by_concurrency"].items()} for m in modes}
@@ -191,9 +240,12 @@ def main() -> None:
 
             rounds.append({"round": r, "order": list(order), "tokens_per_s": tps, "ratio": ratio("online-opd"),
                            **({"ratio_ngram": ratio("ngram"), "ngram": modes["ngram"]["spec"]} if args.ngram else {}),
+                           "ratio_by_mode": {m: ratio(m) for m in modes if m != "plain"},
+                           "fallback": {m: modes[m]["fallback"] for m in modes if "fallback" in modes[m]},
                            "policy": modes["online-opd"]["policy"],
+                           "policy_with_fallback": modes.get("online-opd+ngram", {}).get("policy"),
                            "detail": {m: modes[m]["by_concurrency"] for m in modes}})
-    per_concurrency = summarize(rounds)
+    per_concurrency = summarize(rounds, args.concurrency)
     result = {
         "benchmark": "speculation_policy", "config": str(args.config), "rounds": args.rounds,
         "online_opd_serve": "defaults (speculation auto, capture on), fresh drafter"
@@ -202,8 +254,10 @@ def main() -> None:
                  "no online-opd plugin",
         "ngram": f"the plain server plus vLLM's ngram speculation {json.dumps(NGRAM)}" if args.ngram else None,
         "max_tokens": args.max_tokens, "max_num_seqs": args.max_num_seqs,
-        "prompts": "sharegpt held_out, temperature 0, ignore_eos",
-        "target": f"output tokens/s online-opd / plain >= {TARGET_RATIO} at c=1, 8, 32 (median over rounds)",
+        "prompts": f"{'sharegpt held_out' if args.prompts == 'sharegpt' else 'humaneval'}, temperature 0, ignore_eos",
+        "ngram_fallback": "online-opd serve --ngram-fallback (online-opd+ngram), and with --speculation always "
+                          "(always+ngram)" if args.ngram_fallback else None,
+        "target": f"output tokens/s online-opd / plain >= {TARGET_RATIO} at each concurrency (median over rounds)",
         "per_concurrency": per_concurrency,
         "target_met": all(v["target_met"] for v in per_concurrency.values()),
         "requests_failed": sum(d[c]["requests_failed"] for r in rounds for d in r["detail"].values() for c in d),
