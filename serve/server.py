@@ -176,7 +176,9 @@ def serve_env(cfg: OnlineOPDConfig, target: Path, drafter: Path, *, capture: boo
         live_check_alpha=sc.live_check_alpha, live_check_timeout_s=sc.live_check_timeout_s,
         rollback_tolerance=sc.rollback_tolerance, trainer_stats_file=str(trainer_stats_path(cfg)),
         policy=PolicySettings(interval_s=sc.policy_interval_s, margin=sc.policy_margin,
-                              min_drafts=sc.policy_min_drafts) if sc.speculation == "auto" else None,
+                              min_drafts=sc.policy_min_drafts, explore_share=sc.policy_explore_share,
+                              explore_share_unmeasured=sc.policy_explore_share_unmeasured)
+        if sc.speculation == "auto" else None,
     ).model_dump_json()
     if sc.speculation == "auto":
         env[SPECULATION_ENV] = SpeculationSettings(explore_share=sc.policy_explore_share,

@@ -88,6 +88,59 @@ def test_exploration_share_and_k_cycle():
     assert SpeculationControl(SpeculationSettings(explore_share=0.0), [0, 0], 2).lookup_for_step() == [0, 0]
 
 
+def test_a_new_exploration_share_is_budgeted_over_the_steps_after_it():
+    control = SpeculationControl(SpeculationSettings(explore_share=0.5, explore_steps=2), [0, 0], max_k=1)
+
+    def explored_in(num_steps: int) -> int:
+        before = control.counters["explored_steps"]
+        for i in range(num_steps):
+            control.on_scheduled(step({"a": 1}, control.lookup_for_step()[1]), float(i))
+        return control.counters["explored_steps"] - before
+
+    assert explored_in(100) == 50  # 50% of the steps
+    control.set_explore_share(0.04)
+    # over the steps since the change, not all 100 + n: exploring resumes once 2 <= 0.04 (n + 2), n = 48
+    assert explored_in(48) == 0 and explored_in(52) == 4
+    control.set_explore_share(0.04)  # the same share: the budget keeps counting
+    assert explored_in(100) == 4
+    control.set_explore_share(0.0)
+    assert explored_in(100) == 0 and control.status(None)["explore_share"] == 0.0
+
+
+def test_set_speculation_refuses_a_bad_exploration_share():
+    core = fake_engine_core([0, 0, 0])
+    refused = set_speculation(core, [[1, 2, 0]], 0.9)
+    assert not refused["ok"] and "explore_share 0.9 refused" in refused["error"]
+    assert set_speculation(core, [[1, 2, 0]], 0.05) == {"ok": True, "lookup": [0, 0, 0], "explore_share": 0.05}
+    assert core.scheduler._online_opd_speculation.explore_share == 0.05
+
+
+def test_policy_loop_explores_more_until_acceptance_is_measured_live(caplog):
+    core = fake_engine_core([0, 0, 0, 0, 0])
+    set_speculation(core, [[1, 4, 0]])
+    control = core.scheduler._online_opd_speculation
+    for b in (1, 4):
+        feed(control, b, 0, 0.1 + 0.02 * b, 10)
+    client = FakeEngineClient(core)
+    settings = PolicySettings(min_drafts=8, explore_share=0.01, explore_share_unmeasured=0.05)
+    loop = SpeculationPolicyLoop(client, settings, lambda: ("v0001", None))
+    with caplog.at_level("INFO", logger="online_opd.speculation"):
+        state = asyncio.run(loop.update())  # no block verified yet: explore 5%
+        assert state["acceptance_source"].startswith("none yet") and control.explore_share == 0.05
+        assert client.calls[-1] == ("online_opd_set_speculation", [[1, 4, 0]], 0.05)
+        assert loop.num_changes == 0  # the schedule itself did not change
+        calls = len(client.calls)
+        asyncio.run(loop.update())
+        assert len(client.calls) == calls + 1  # the status only: nothing to change
+        feed(control, 1, 4, 0.2, 10)  # blocks verified: acceptance measured (0 here)
+        state = asyncio.run(loop.update())
+        assert state["acceptance_source"].startswith("live") and control.explore_share == 0.01
+    assert "speculation exploration: 5.0% of steps (until the serving version's acceptance" in caplog.text
+    assert "speculation exploration: 1.0% of steps (acceptance measured live)" in caplog.text
+    assert settings.explore_share_for(False) == 0.05
+    assert PolicySettings(explore_share=0.1, explore_share_unmeasured=0.05).explore_share_for(False) == 0.1
+
+
 def fake_engine_core(lookup: list[int], max_k: int = 4):
     scheduler = SimpleNamespace(dynamic_sd_lookup=lookup, num_spec_tokens=max_k,
                                 scheduler_config=SimpleNamespace(max_num_seqs=len(lookup) - 1))
@@ -98,7 +151,7 @@ def test_set_speculation_swaps_the_lookup_and_refuses_bad_schedules():
     core = fake_engine_core([0, 0, 0, 0, 0])
     before = core.scheduler.dynamic_sd_lookup
     result = set_speculation(core, [[1, 1, 4], [2, 4, 0]])
-    assert result == {"ok": True, "lookup": [0, 4, 0, 0, 0]}
+    assert result == {"ok": True, "lookup": [0, 4, 0, 0, 0], "explore_share": 0.01}
     assert core.scheduler.dynamic_sd_lookup == [0, 4, 0, 0, 0] and before == [0, 0, 0, 0, 0]
     assert set_speculation(core, [[1, 2, 9]])["lookup"] == [0, 4, 4, 4, 4]  # clamped to K_max, tail carried
     refused = set_speculation(core, [[2, 4, 1]])
@@ -114,6 +167,7 @@ def test_set_speculation_during_exploration_takes_effect_after_the_burst():
     set_speculation(core, [[1, 2, 0]])
     control = core.scheduler._online_opd_speculation
     control.settings = SpeculationSettings(explore_share=0.5, explore_steps=2)
+    control.set_explore_share(0.5)
     for i in range(2):  # due once explored + 2 <= 0.5 (steps + 2)
         assert control.lookup_for_step() == [0, 0, 0]
         control.on_scheduled(step({"a": 1}, 0), float(i))
@@ -162,7 +216,7 @@ def test_policy_loop_turns_speculation_off_where_it_does_not_pay_and_on_where_it
     client = FakeEngineClient(core)
     loop = SpeculationPolicyLoop(client, PolicySettings(min_drafts=8), lambda: ("v0001", None))
     state = asyncio.run(loop.update())
-    assert client.calls[-1] == ("online_opd_set_speculation", [[1, 4, 0]])
+    assert client.calls[-1] == ("online_opd_set_speculation", [[1, 4, 0]], 0.01)  # acceptance measured: 1%
     assert core.scheduler.dynamic_sd_lookup == [0, 0, 0, 0, 0]
     assert state["acceptance_used"] == [0.0] * 4 and state["acceptance_source"].startswith("live")
     # a new version that accepts every draft: tau(4) = 5 > t(b, 4) / t(b, 0) = 1.5 (b=1), 2.33 (b=4)

@@ -28,7 +28,9 @@ lookup exists) and sets ``ONLINE_OPD_SPECULATION``; then ``install`` (called by
 - explores: when the policy's schedule says K = 0, the cost of speculating is
   never measured. So a bounded share of steps (``explore_share``) runs in short
   bursts of ``explore_steps`` steps at K in 1..K_max, cycled, for every batch
-  size. Output stays lossless (the target verifies); the burst's steady steps
+  size. The policy loop may change the share with the schedule (a higher one
+  while the serving version's acceptance is not measured yet); each share is
+  budgeted over the steps since it was set. Output stays lossless (the target verifies); the burst's steady steps
   feed the cost table and the acceptance counts.
 
 K = 0 steps still run the drafter's context pass (DFlash and EAGLE proposers keep
@@ -81,6 +83,8 @@ class SpeculationControl:
         self.costs = StepCosts(settings.cost_alpha)
         self.acceptance = AcceptanceCounts()
         self.counters = {"steps": 0, "explored_steps": 0, "timed_steps": 0, "errors": 0}
+        self.explore_share = settings.explore_share  # the policy loop raises it while acceptance is unmeasured
+        self._budget_from = (0, 0)  # (steps, explored steps) when the share last changed
         self._explore_k: int | None = None  # K of the burst in progress
         self._explore_left = 0
         self._next_k = max_k
@@ -100,12 +104,20 @@ class SpeculationControl:
             return self.policy_lookup
         return [0] + [self._explore_k] * (len(self.policy_lookup) - 1)
 
+    def set_explore_share(self, share: float) -> None:
+        """A new exploration share, budgeted over the steps from now on (not over all steps: a share
+        lowered after a high one would otherwise stop exploring until the total caught up)."""
+        if share != self.explore_share:
+            self.explore_share = share
+            self._budget_from = (self.counters["steps"], self.counters["explored_steps"])
+
     def _is_exploration_due(self) -> bool:
-        s, c = self.settings, self.counters
-        if s.explore_share <= 0 or self.max_k <= 0:
+        s, c, share = self.settings, self.counters, self.explore_share
+        if share <= 0 or self.max_k <= 0:
             return False
-        # a burst starts only if, counted in, explored steps stay within the share of all steps
-        return c["explored_steps"] + s.explore_steps <= s.explore_share * (c["steps"] + s.explore_steps)
+        steps, explored = c["steps"] - self._budget_from[0], c["explored_steps"] - self._budget_from[1]
+        # a burst starts only if, counted in, explored steps stay within the share of the steps
+        return explored + s.explore_steps <= share * (steps + s.explore_steps)
 
     def on_scheduled(self, out: Any, start: float) -> None:
         sizes = out.num_scheduled_tokens
@@ -145,7 +157,7 @@ class SpeculationControl:
                 "lookup": list(self.policy_lookup), "serving_lookup": list(serving_lookup or []),
                 "exploring_k": self._explore_k, "costs": self.costs.to_rows(),
                 "acceptance": self.acceptance.to_dict(), "settings": self.settings.model_dump(),
-                **self.counters}
+                "explore_share": self.explore_share, **self.counters}
 
 
 _ERRORS_LOGGED: set[str] = set()
@@ -168,14 +180,17 @@ def _control(scheduler: Any, settings: SpeculationSettings) -> SpeculationContro
     return control
 
 
-def set_speculation(engine_core: Any, schedule: list) -> dict:
-    """``EngineCore.online_opd_set_speculation``: the new schedule serves from the next step on."""
+def set_speculation(engine_core: Any, schedule: list, explore_share: float | None = None) -> dict:
+    """``EngineCore.online_opd_set_speculation``: the new schedule (and, if given, exploration share)
+    serve from the next step on."""
     from vllm.v1.spec_decode.dynamic.utils import build_dynamic_sd_schedule_lookup
 
     scheduler = engine_core.scheduler
     control = _control(scheduler, _INSTALLED or SpeculationSettings())
     if not control.policy_lookup:
         return {"ok": False, "error": "this engine has no dynamic speculation schedule (serve --speculation auto)"}
+    if explore_share is not None and not (isinstance(explore_share, (int, float)) and 0 <= explore_share <= 0.5):
+        return {"ok": False, "error": f"explore_share {explore_share!r} refused: a share in [0, 0.5]"}
     try:
         lookup = build_dynamic_sd_schedule_lookup(
             [tuple(r) for r in schedule], vllm_max_batch_size=scheduler.scheduler_config.max_num_seqs,
@@ -183,9 +198,11 @@ def set_speculation(engine_core: Any, schedule: list) -> dict:
     except (ValueError, TypeError) as exc:
         return {"ok": False, "error": f"schedule {schedule!r} refused: {exc}"}
     control.policy_lookup = lookup
+    if explore_share is not None:
+        control.set_explore_share(float(explore_share))
     if control._explore_k is None:
         scheduler.dynamic_sd_lookup = lookup  # one assignment: schedule() reads either list whole
-    return {"ok": True, "lookup": lookup}
+    return {"ok": True, "lookup": lookup, "explore_share": control.explore_share}
 
 
 def speculation_status(engine_core: Any) -> dict | None:

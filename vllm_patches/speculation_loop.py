@@ -10,6 +10,11 @@ Every ``interval_s`` seconds, and right after each drafter reload (``wake``), it
 3. decides the schedule (online_opd/speculation/policy.py) and, when it differs
    from the one serving, applies it through the engine core's
    ``online_opd_set_speculation`` and logs the change with the figures behind it;
+   with it the exploration share: ``explore_share_unmeasured`` (5%) while the
+   serving version's acceptance is not measured live yet (a fresh server, and
+   after each reload until ``min_drafts`` blocks were verified), else
+   ``explore_share`` (1%), so a server learns within a minute or two of traffic
+   whether speculating pays, and pays at most 5% of steps at K > 0 meanwhile;
 4. compares, over the steady steps of the last interval, the measured output
    tokens per second with the cost model's prediction for the same steps.
 """
@@ -39,6 +44,14 @@ class PolicySettings(BaseModel):
     margin: float = Field(0.05, ge=0)
     min_drafts: int = Field(32, ge=1)
     min_steps: int = Field(8, ge=1)
+    explore_share: float = Field(0.01, ge=0, le=0.5)
+    # while the serving version's acceptance is not measured live (a fresh server, after each reload)
+    explore_share_unmeasured: float = Field(0.05, ge=0, le=0.5)
+
+    def explore_share_for(self, is_measured: bool) -> float:
+        """The exploration share: the configured one once acceptance is measured live, else the higher
+        of it and ``explore_share_unmeasured`` (learn sooner whether speculating pays)."""
+        return self.explore_share if is_measured else max(self.explore_share, self.explore_share_unmeasured)
 
 
 def window_rates(before: list[list[float]] | None, after: list[list[float]], model: CostModel,
@@ -111,14 +124,19 @@ class SpeculationPolicyLoop:
         model = CostModel(StepCosts.from_rows(status["costs"]), min_steps=self.settings.min_steps)
         decision = decide(model, acceptance, max_k=status["max_k"], max_batch_size=status["max_batch_size"],
                           current=status["lookup"], margin=self.settings.margin)
-        if decision.lookup != status["lookup"]:
+        share = self.settings.explore_share_for(is_measured=source.startswith("live"))
+        if decision.lookup != status["lookup"] or share != status.get("explore_share", share):
             result = await self.engine.engine_core.call_utility_async(
-                SET_METHOD, [list(r) for r in decision.schedule])
-            if result.get("ok"):
+                SET_METHOD, [list(r) for r in decision.schedule], share)
+            if not result.get("ok"):
+                logger.error("speculation schedule not applied: %s", result.get("error"))
+            elif decision.lookup != status["lookup"]:
                 self.num_changes += 1
                 self._log_change(status, decision, model, acceptance, source)
-            else:
-                logger.error("speculation schedule not applied: %s", result.get("error"))
+            if result.get("ok") and share != status.get("explore_share", share):
+                logger.info("speculation exploration: %.1f%% of steps (%s)", 100 * share,
+                            "acceptance measured live" if source.startswith("live")
+                            else "until the serving version's acceptance is measured live")
         measured, predicted = window_rates(self._last_costs, status["costs"], model, acceptance)
         self._last_costs = status["costs"]
         self.latest = {**status, "schedule": decision.schedule, "acceptance_used": acceptance,
