@@ -156,7 +156,6 @@ def serve_env(cfg: OnlineOPDConfig, target: Path, drafter: Path, *, capture: boo
     from vllm_patches.capture import CaptureSettings
     from vllm_patches.endpoint import SERVE_ENV, EndpointSettings
     from vllm_patches.model_runner import v1_runner_env
-    from vllm_patches.ngram_fallback import NgramFallbackSettings
     from vllm_patches.speculation import SpeculationSettings
     from vllm_patches.speculation_loop import PolicySettings
 
@@ -185,9 +184,7 @@ def serve_env(cfg: OnlineOPDConfig, target: Path, drafter: Path, *, capture: boo
                                                    explore_steps=sc.policy_explore_steps).to_env()
     nf = sc.ngram_fallback
     if nf.enabled and sc.speculation != "never":
-        env[NGRAM_FALLBACK_ENV] = NgramFallbackSettings(
-            prompt_lookup_min=nf.prompt_lookup_min, prompt_lookup_max=nf.prompt_lookup_max,
-            explore_every=nf.explore_every).to_env()
+        env[NGRAM_FALLBACK_ENV] = nf.model_dump_json()  # read back as ngram_fallback.NgramFallbackSettings
     c = cfg.capture
     if capture and c.enabled:
         env[CAPTURE_ENV] = CaptureSettings(

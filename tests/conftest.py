@@ -23,3 +23,11 @@ def trained_run(tmp_path_factory) -> Path:
         else tmp_path_factory.mktemp("trained")
     bootstrap(run)
     return run
+
+
+@pytest.fixture(scope="session")
+def rollouts(trained_run) -> list[tuple[list[int], list[int]]]:
+    """(prompt ids, non-speculative greedy output ids) of the prompts the trained run's drafter memorised."""
+    from tests.serving import memorised_rollouts
+
+    return memorised_rollouts(trained_run)

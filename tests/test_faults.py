@@ -28,7 +28,6 @@ from online_opd.files import atomic_write_json
 from online_opd.models.drafters.checkpoint import WEIGHTS_FILE
 from online_opd.release.registry import DrafterRegistry
 from online_opd.traces.buffer import BufferReader
-from online_opd.train.sequences import load_sequences
 from serve.launcher import ServerProcess
 from serve.soak import TrafficSettings, check_soak, problems, run_reloads, run_traffic
 from tests.serving import ROOT, TOKEN
@@ -39,13 +38,6 @@ MAX_TOKENS = 48  # the rollouts' length: greedy outputs compare whole
 SOAK_S = 45.0
 TMPFS_BYTES = 32 * 1024**2
 RESTART_S = 300.0  # a restarted trainer loads the target on CPUs the engine is busy with
-
-
-@pytest.fixture(scope="module")
-def rollouts(trained_run):
-    """(prompt ids, plain vLLM greedy output ids) of the six memorised prompts."""
-    seqs = load_sequences(trained_run / "rollouts.safetensors")
-    return [(s.tokens[: s.prompt_len].tolist(), s.tokens[s.prompt_len:].tolist()) for s in seqs]
 
 
 def mount_tmpfs(path: Path) -> str | None:

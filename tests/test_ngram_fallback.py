@@ -244,8 +244,8 @@ def test_serve_env_sets_the_fallback_only_where_something_is_drafted(tmp_path):
 
     on = ["serve.ngram_fallback.enabled=true", "serve.ngram_fallback.prompt_lookup_min=3"]
     env = serve_env(load_config(None, on), Path("/models/t"), tmp_path, capture=False)
-    assert json.loads(env[NGRAM_FALLBACK_ENV]) == {"prompt_lookup_min": 3, "prompt_lookup_max": 4,
-                                                   "explore_every": 16}
+    settings = NgramFallbackSettings.model_validate(json.loads(env[NGRAM_FALLBACK_ENV]))
+    assert (settings.prompt_lookup_min, settings.prompt_lookup_max, settings.explore_every) == (3, 4, 16)
     assert NGRAM_FALLBACK_ENV not in serve_env(load_config(None, []), Path("/models/t"), tmp_path, capture=False)
     never = serve_env(load_config(None, on + ["serve.speculation=never"]), Path("/models/t"), tmp_path,
                       capture=False)

@@ -14,7 +14,7 @@ import pytest
 from online_opd.release.registry import DrafterRegistry
 from serve.launcher import ServerProcess
 from serve.loadgen import LoadConfig, run_load
-from tests.serving import ROOT, TOKEN
+from tests.serving import ROOT, TOKEN, random_drafter
 
 pytestmark = pytest.mark.slow
 CONFIG = ROOT / "configs" / "test-online.yaml"
@@ -75,9 +75,7 @@ def test_serve_train_gate_publish_reload(tmp_path):
 
 def test_live_check_rolls_back_a_worse_drafter(trained_run, tmp_path):
     """The reloader loads a promoted random drafter, sees live acceptance fall and rolls back."""
-    import torch
 
-    from online_opd.models.drafters.checkpoint import load_drafter
     from tests.serving import CONFIG as SERVE_CONFIG
 
     server = ServerProcess(tmp_path / "serve", SERVE_CONFIG, "--no-train", "-o", f"bootstrap.output_dir={trained_run}",
@@ -99,13 +97,7 @@ def test_live_check_rolls_back_a_worse_drafter(trained_run, tmp_path):
         sender = threading.Thread(target=traffic)
         sender.start()
         time.sleep(15)  # the trained version's live acceptance: the baseline
-        worse = load_drafter(trained_run / "drafter")
-        torch.manual_seed(0)
-        with torch.no_grad():
-            for p in worse.parameters():
-                if p.dim() == 2:
-                    p.normal_(0.0, 0.02)
-        bad = registry.publish(worse, parent="v0001")
+        bad = registry.publish(random_drafter(trained_run), parent="v0001")  # worse than v0001
         registry.promote(bad.version, reason="test: a worse drafter")
         deadline = time.monotonic() + 300
         while time.monotonic() < deadline and registry.current().version != "v0001":

@@ -26,29 +26,17 @@ from online_opd.models.target_model import TargetModel
 from online_opd.opd.rollout import propose_all
 from online_opd.traces.buffer import BufferReader
 from online_opd.traces.records import check_fidelity
-from online_opd.train.sequences import TrainSequence, load_sequences
-from tests.serving import Server, tau
+from online_opd.train.sequences import TrainSequence
+from tests.serving import Server, random_drafter, running, tau
 
 pytestmark = pytest.mark.slow
 MAX_TOKENS = 48
 
 
 @pytest.fixture(scope="module")
-def rollouts(trained_run):
-    """(prompt ids, non-speculative greedy output ids) of the memorised prompts."""
-    seqs = load_sequences(trained_run / "rollouts.safetensors")
-    return [(s.tokens[: s.prompt_len].tolist(), s.tokens[s.prompt_len:].tolist()) for s in seqs]
-
-
-@pytest.fixture(scope="module")
 def server(trained_run, tmp_path_factory):
-    srv = Server(tmp_path_factory.mktemp("serve"), "--drafter", str(trained_run / "drafter"))
-    try:
-        srv.wait_ready()
+    with running(tmp_path_factory.mktemp("serve"), "--drafter", str(trained_run / "drafter")) as srv:
         yield srv
-    finally:
-        code = srv.stop()
-        assert code == 0 or code == -15, srv.tail()
 
 
 def client(server: Server) -> OpenAI:
@@ -206,13 +194,7 @@ def httpx_status(server: Server) -> str:
 
 def test_hot_reload_under_load(server, rollouts, trained_run, tmp_path):
     """Reload a random drafter, then the trained one, while 4 clients keep sending requests."""
-    random_drafter = load_drafter(trained_run / "drafter")
-    torch.manual_seed(0)
-    with torch.no_grad():
-        for p in random_drafter.parameters():
-            if p.dim() == 2:
-                p.normal_(0.0, 0.02)
-    random_path = save_drafter(random_drafter, tmp_path / "random", version="random")
+    random_path = save_drafter(random_drafter(trained_run), tmp_path / "random", version="random")
     trained_path = trained_run / "drafter"
 
     c = client(server)

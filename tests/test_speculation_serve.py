@@ -23,49 +23,25 @@ from online_opd.models.target import ensure_embedded_target
 from online_opd.models.target_model import TargetModel
 from online_opd.opd.rollout import propose_all
 from online_opd.traces.buffer import BufferReader
-from online_opd.train.sequences import TrainSequence, load_sequences
-from tests.serving import Server
+from online_opd.train.sequences import TrainSequence
+from tests.serving import Server, complete_ids, random_drafter, running
 
 pytestmark = pytest.mark.slow
 MAX_TOKENS = 48
 
 
 @pytest.fixture(scope="module")
-def rollouts(trained_run):
-    seqs = load_sequences(trained_run / "rollouts.safetensors")
-    return [(s.tokens[: s.prompt_len].tolist(), s.tokens[s.prompt_len:].tolist()) for s in seqs]
-
-
-@pytest.fixture(scope="module")
 def server(trained_run, tmp_path_factory):
-    random_drafter = load_drafter(trained_run / "drafter")
-    torch.manual_seed(0)
-    with torch.no_grad():
-        for p in random_drafter.parameters():
-            if p.dim() == 2:
-                p.normal_(0.0, 0.02)
     root = tmp_path_factory.mktemp("speculation")
-    random_path = save_drafter(random_drafter, root / "random", version="random")
-    srv = Server(root / "serve", "--drafter", str(random_path), "--speculation", "auto",
+    random_path = save_drafter(random_drafter(trained_run), root / "random", version="random")
+    with running(root / "serve", "--drafter", str(random_path), "--speculation", "auto",
                  "-o", "serve.policy_interval_s=1", "-o", "serve.policy_explore_share=0.05",
-                 "-o", "serve.policy_min_drafts=8")
-    try:
-        srv.wait_ready()
+                 "-o", "serve.policy_min_drafts=8") as srv:
         yield srv
-    finally:
-        code = srv.stop()
-        assert code == 0 or code == -15, srv.tail()
 
 
 def complete(server: Server, prompt: list[int]) -> list[int]:
-    import httpx
-
-    model = httpx.get(f"{server.url}/v1/models", timeout=30).json()["data"][0]["id"]
-    reply = httpx.post(f"{server.url}/v1/completions", timeout=300, json={
-        "model": model, "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0.0,
-        "return_token_ids": True})
-    reply.raise_for_status()
-    return list(reply.json()["choices"][0]["token_ids"])
+    return complete_ids(server, prompt, MAX_TOKENS)
 
 
 def schedule(metrics: dict[str, float]) -> dict[str, float]:

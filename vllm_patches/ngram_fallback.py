@@ -1,6 +1,7 @@
 """The ngram fallback inside vLLM's worker: prompt lookup replaces the drafter's block where it pays.
 
-``online-opd serve`` with ``serve.ngram_fallback.enabled`` sets ``ONLINE_OPD_NGRAM_FALLBACK``; then
+``online-opd serve`` with ``serve.ngram_fallback.enabled`` sets ``ONLINE_OPD_NGRAM_FALLBACK`` (that
+config section as JSON); then
 ``install`` (``register``, in every vLLM process; it acts in the worker) wraps the V1 model runner's
 ``propose_draft_token_ids``. vLLM's own ``custom_class`` proposer cannot do this: only its ``dflash``
 and ``eagle3`` branches hand the drafter the target's auxiliary hidden states, so a hybrid has to sit
@@ -36,32 +37,16 @@ from typing import Any
 
 import numpy as np
 import torch
-from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from online_opd.config_serving import NgramFallbackConfig
 from online_opd.speculation.hybrid import DRAFTER, NGRAM, ProposerChooser
 from vllm_patches import NGRAM_FALLBACK_ENV
 
 logger = logging.getLogger("online_opd.ngram_fallback")
 
 
-class NgramFallbackSettings(BaseModel):
-    """Worker-side settings, handed over as JSON in ``ONLINE_OPD_NGRAM_FALLBACK``."""
-
-    model_config = ConfigDict(extra="forbid")
-
-    prompt_lookup_min: int = Field(2, ge=1)
-    prompt_lookup_max: int = Field(4, ge=1)
-    explore_every: int = Field(16, ge=1)
-
-    @model_validator(mode="after")
-    def _lookup_range(self) -> "NgramFallbackSettings":
-        if self.prompt_lookup_max < self.prompt_lookup_min:
-            raise ValueError(f"prompt_lookup_max ({self.prompt_lookup_max}) must be >= prompt_lookup_min "
-                             f"({self.prompt_lookup_min})")
-        return self
-
-    def to_env(self) -> str:
-        return self.model_dump_json()
+# the config section itself travels as the worker's settings (its validation runs on both sides)
+NgramFallbackSettings = NgramFallbackConfig
 
 
 def _matcher():
