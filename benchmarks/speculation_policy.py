@@ -86,8 +86,12 @@ def make_fresh_drafter(cfg_path: Path, out: Path) -> tuple[Path, Path]:
 
 def measure(url: str, args: argparse.Namespace) -> dict[str, Any]:
     out: dict[str, Any] = {}
+    split = "held_out" if args.prompts == "sharegpt" else "all"
+    if args.prewarm_s > 0:  # the same traffic for every server, so the policy measures before it is timed
+        run_load(LoadConfig(base_url=f"{url}/v1", prompts=args.prompts, split=split, num_prompts=256,
+                            max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True, concurrency=1,
+                            progress=False, seed=2, duration=args.prewarm_s))
     for concurrency in args.concurrency:
-        split = "held_out" if args.prompts == "sharegpt" else "all"
         common = dict(base_url=f"{url}/v1", prompts=args.prompts, split=split, num_prompts=256,
                       max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True, concurrency=concurrency,
                       progress=False)
@@ -179,10 +183,10 @@ def run_mode(mode: str, run_dir: Path, target: Path, drafter: Path, args: argpar
 def summarize(rounds: list[dict], concurrencies) -> dict[str, Any]:
     out = {}
     for c in map(str, concurrencies):
-        ratios = [r["ratio"][c] for r in rounds if r["ratio"][c] is not None]
+        ratios = [r["ratio"][c] for r in rounds if r["ratio"].get(c) is not None]
         median = round(statistics.median(ratios), 4) if ratios else None
         out[c] = {"ratio_median": median, "ratio_per_round": ratios,
-                  "tokens_per_s_online_opd": [r["tokens_per_s"]["online-opd"][c] for r in rounds],
+                  "tokens_per_s_online_opd": [r["tokens_per_s"].get("online-opd", {}).get(c) for r in rounds],
                   "tokens_per_s_plain": [r["tokens_per_s"]["plain"][c] for r in rounds],
                   "target_met": median is not None and median >= TARGET_RATIO}
         ngram = [r["ratio_ngram"][c] for r in rounds if r.get("ratio_ngram", {}).get(c) is not None]
@@ -216,6 +220,12 @@ def main() -> None:
                         help="held-out ShareGPT (default) or HumanEval (code, a domain the drafter never saw)")
     parser.add_argument("--concurrency", type=int, nargs="+", default=list(CONCURRENCIES),
                         help="closed-loop concurrencies measured (default 1 8 32)")
+    parser.add_argument("--prewarm-s", type=float, default=0.0,
+                        help="seconds of c=1 traffic every server gets before the measured loads (default 0: "
+                             "a fresh server; set it to measure the policy after it learnt the acceptance)")
+    parser.add_argument("--modes", nargs="+", default=None,
+                        choices=("online-opd", "plain", "ngram", "online-opd+ngram", "always+ngram"),
+                        help="measure only these modes (plain is always measured: the ratios' baseline)")
     parser.add_argument("--train", action="store_true", help="online-opd serve with its online trainer on")
     parser.add_argument("--out", type=Path, default=None, help="also write the JSON here")
     args = parser.parse_args()
@@ -231,6 +241,8 @@ def main() -> None:
             names = ["online-opd", "plain"] + (["ngram"] if args.ngram else []) \
                 + (["online-opd+ngram"] if args.ngram_fallback else []) \
                 + (["always+ngram"] if args.ngram_fallback and args.always else [])
+            if args.modes:
+                names = [m for m in names if m in args.modes or m == "plain"]
             order = names[r % len(names):] + names[: r % len(names)]  # each mode goes first in turn
             modes = {m: run_mode(m, base / f"round{r}-{m}", target, drafter, args) for m in order}
             tps = {m: {c: v["output_tokens_per_s"] for c, v in modes[m]["by_concurrency"].items()} for m in modes}
@@ -238,11 +250,13 @@ def main() -> None:
             def ratio(mode: str) -> dict:
                 return {c: round(tps[mode][c] / tps["plain"][c], 4) if tps["plain"][c] else None for c in tps["plain"]}
 
-            rounds.append({"round": r, "order": list(order), "tokens_per_s": tps, "ratio": ratio("online-opd"),
-                           **({"ratio_ngram": ratio("ngram"), "ngram": modes["ngram"]["spec"]} if args.ngram else {}),
+            rounds.append({"round": r, "order": list(order), "tokens_per_s": tps,
+                           "ratio": ratio("online-opd") if "online-opd" in modes else {},
+                           **({"ratio_ngram": ratio("ngram"), "ngram": modes["ngram"]["spec"]} if "ngram" in modes
+                              else {}),
                            "ratio_by_mode": {m: ratio(m) for m in modes if m != "plain"},
                            "fallback": {m: modes[m]["fallback"] for m in modes if "fallback" in modes[m]},
-                           "policy": modes["online-opd"]["policy"],
+                           "policy": modes.get("online-opd", {}).get("policy"),
                            "policy_with_fallback": modes.get("online-opd+ngram", {}).get("policy"),
                            "detail": {m: modes[m]["by_concurrency"] for m in modes}})
     per_concurrency = summarize(rounds, args.concurrency)
@@ -259,6 +273,7 @@ def main() -> None:
                           "(always+ngram)" if args.ngram_fallback else None,
         "target": f"output tokens/s online-opd / plain >= {TARGET_RATIO} at each concurrency (median over rounds)",
         "per_concurrency": per_concurrency,
+        "prewarm_s": args.prewarm_s,
         "target_met": all(v["target_met"] for v in per_concurrency.values()),
         "requests_failed": sum(d[c]["requests_failed"] for r in rounds for d in r["detail"].values() for c in d),
         "rounds_detail": rounds,

@@ -93,9 +93,11 @@ class ServeConfig(StrictModel):
         0.01, ge=0, le=0.5, description="speculation auto: share of engine steps run at K > 0 whatever the "
                                         "schedule, so the cost and acceptance of speculating stay measured.")
     policy_explore_share_unmeasured: float = Field(
-        0.05, ge=0, le=0.5, description="speculation auto: the exploration share while the serving drafter "
+        0.01, ge=0, le=0.5, description="speculation auto: the exploration share while the serving drafter "
                                         "version's acceptance is not measured live yet (a fresh server, "
-                                        "after each reload); the higher of this and policy_explore_share.")
+                                        "after each reload); the higher of this and policy_explore_share. "
+                                        "0.05 with the ngram fallback learns sooner that speculating pays, at "
+                                        "a cost while nothing does (README figures).")
     policy_explore_steps: int = Field(
         3, ge=2, description="speculation auto: steps per exploration burst (the first drafts only, the "
                              "others verify and are timed).")
