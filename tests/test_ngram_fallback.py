@@ -24,7 +24,7 @@ from online_opd.speculation.hybrid import DRAFTER, NGRAM, ProposerChooser
 from online_opd.traces.buffer import SEGMENT_SCHEMA, BufferReader, SegmentWriter, segment_name
 from online_opd.traces.records import BlockRecord, SequenceRecord, check_fidelity, pure_blocks_by_version
 from online_opd.train.opd import replayable_blocks
-from vllm_patches import NGRAM_FALLBACK_ENV
+from vllm_patches import NGRAM_FALLBACK_ENV, settings_from_env
 from vllm_patches.endpoint import merge_engine_statuses
 from vllm_patches.metrics import PolledCollector, drafter_totals
 from vllm_patches.ngram_fallback import NgramFallback, NgramFallbackSettings
@@ -149,6 +149,17 @@ def test_the_hook_puts_matches_in_and_accounts_the_next_verification():
     assert hook.chooser.mean(NGRAM, "a") == 2 and hook.chooser.mean(DRAFTER, "b") == 0
     assert hook.proposer_of("a") == DRAFTER  # K = 0 in that step: nothing pending
     assert hook.stats()["ngram_mean"] == 2
+
+
+def test_settings_from_env_read_validate_and_name_the_variable(monkeypatch):
+    monkeypatch.delenv(NGRAM_FALLBACK_ENV, raising=False)
+    assert settings_from_env(NGRAM_FALLBACK_ENV, NgramFallbackSettings, "ngram fallback") is None
+    monkeypatch.setenv(NGRAM_FALLBACK_ENV, '{"enabled": true, "prompt_lookup_min": 3}')
+    assert settings_from_env(NGRAM_FALLBACK_ENV, NgramFallbackSettings, "ngram fallback").prompt_lookup_min == 3
+    for bad in ('{"prompt_lookup_min": 5}', "{not json", '{"lookup": 2}'):
+        monkeypatch.setenv(NGRAM_FALLBACK_ENV, bad)
+        with pytest.raises(ValueError, match="ONLINE_OPD_NGRAM_FALLBACK is not valid ngram fallback settings JSON"):
+            settings_from_env(NGRAM_FALLBACK_ENV, NgramFallbackSettings, "ngram fallback")
 
 
 def test_settings_refuse_an_empty_lookup_range():

@@ -39,6 +39,20 @@ SERVE_ENV = "ONLINE_OPD_SERVE"  # the endpoint plugin's settings (endpoint.py)
 NGRAM_FALLBACK_ENV = "ONLINE_OPD_NGRAM_FALLBACK"
 
 
+def settings_from_env(name: str, model: type, what: str):
+    """The settings ``online-opd serve`` handed a vLLM process as JSON in environment variable ``name``,
+    validated by the pydantic ``model``; None when it is unset or empty. ValueError names the variable."""
+    import json
+
+    raw = os.environ.get(name)
+    if not raw:
+        return None
+    try:
+        return model.model_validate(json.loads(raw))
+    except Exception as exc:
+        raise ValueError(f"{name} is not valid {what} settings JSON: {exc}") from exc
+
+
 class UnsupportedVLLMVersion(RuntimeError):
     """The installed vLLM is outside the range the hooks were written for."""
 

@@ -59,9 +59,7 @@ Nothing here raises into vLLM: errors are logged once and counted.
 
 from __future__ import annotations
 
-import json
 import logging
-import os
 import random
 import threading
 import time
@@ -432,13 +430,7 @@ def install(settings: CaptureSettings) -> Capture:
 
 
 def install_from_env() -> Capture | None:
-    from vllm_patches import CAPTURE_ENV
+    from vllm_patches import CAPTURE_ENV, settings_from_env
 
-    raw = os.environ.get(CAPTURE_ENV)
-    if not raw:
-        return None
-    try:
-        settings = CaptureSettings.model_validate(json.loads(raw))
-    except Exception as exc:
-        raise ValueError(f"{CAPTURE_ENV} is not valid capture settings JSON: {exc}") from exc
-    return install(settings)
+    settings = settings_from_env(CAPTURE_ENV, CaptureSettings, "capture")
+    return None if settings is None else install(settings)

@@ -30,9 +30,7 @@ into vLLM: errors are logged once and counted, and the drafter's block is kept.
 
 from __future__ import annotations
 
-import json
 import logging
-import os
 from typing import Any
 
 import numpy as np
@@ -40,7 +38,7 @@ import torch
 
 from online_opd.config_serving import NgramFallbackConfig
 from online_opd.speculation.hybrid import DRAFTER, NGRAM, ProposerChooser
-from vllm_patches import NGRAM_FALLBACK_ENV
+from vllm_patches import NGRAM_FALLBACK_ENV, settings_from_env
 
 logger = logging.getLogger("online_opd.ngram_fallback")
 
@@ -182,11 +180,5 @@ def install(settings: NgramFallbackSettings) -> NgramFallback:
 
 
 def install_from_env() -> NgramFallback | None:
-    raw = os.environ.get(NGRAM_FALLBACK_ENV)
-    if not raw:
-        return None
-    try:
-        settings = NgramFallbackSettings.model_validate(json.loads(raw))
-    except Exception as exc:
-        raise ValueError(f"{NGRAM_FALLBACK_ENV} is not valid ngram fallback settings JSON: {exc}") from exc
-    return install(settings)
+    settings = settings_from_env(NGRAM_FALLBACK_ENV, NgramFallbackSettings, "ngram fallback")
+    return None if settings is None else install(settings)

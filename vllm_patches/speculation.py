@@ -42,9 +42,7 @@ Nothing here raises into vLLM: errors are logged once and counted.
 
 from __future__ import annotations
 
-import json
 import logging
-import os
 import time
 from typing import Any
 
@@ -52,7 +50,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from online_opd.speculation.acceptance import AcceptanceCounts
 from online_opd.speculation.costs import StepCosts
-from vllm_patches import SPECULATION_ENV, dflash_context
+from vllm_patches import SPECULATION_ENV, dflash_context, settings_from_env
 
 logger = logging.getLogger("online_opd.speculation")
 
@@ -272,11 +270,6 @@ def install(settings: SpeculationSettings) -> None:
 
 
 def install_from_env() -> None:
-    raw = os.environ.get(SPECULATION_ENV)
-    if not raw:
-        return
-    try:
-        settings = SpeculationSettings.model_validate(json.loads(raw))
-    except Exception as exc:
-        raise ValueError(f"{SPECULATION_ENV} is not valid speculation settings JSON: {exc}") from exc
-    install(settings)
+    settings = settings_from_env(SPECULATION_ENV, SpeculationSettings, "speculation")
+    if settings is not None:
+        install(settings)
