@@ -98,11 +98,12 @@ def _cli(*args: str, cwd: Path) -> dict:
 
 
 @pytest.mark.slow
-def test_offline_pipeline_end_to_end(tmp_path):
-    """bootstrap -> rollout -> train (Draft-OPD) -> eval, on the tiny CI config."""
+def test_offline_pipeline_end_to_end(trained_run, tmp_path):
+    """bootstrap -> rollout -> train (Draft-OPD) -> eval, on the tiny CI config. The bootstrap is the
+    session's `trained_run`: `online-opd bootstrap` run as a command (tests/serving.py), whose drafter
+    has the tiny config's architecture (DFlash, one layer, block 4)."""
     cfg = ["-c", str(ROOT / "configs/test-tiny.yaml")]
-    boot = _cli("bootstrap", *cfg, "--run-dir", str(tmp_path / "boot"), cwd=ROOT)
-    drafter = Path(boot["drafter"])
+    drafter = trained_run / "drafter"
     assert (drafter / "config.json").exists() and (drafter / "manifest.json").exists()
     rollout = _cli("rollout", *cfg, "--drafter", str(drafter), "--out", str(tmp_path / "rec"), cwd=ROOT)
     assert rollout["num_records"] > 0 and rollout["num_blocks"] > 0

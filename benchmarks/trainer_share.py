@@ -1,0 +1,98 @@
+"""The online trainer's share of the CPU while `online-opd serve` serves: trainer step time and serving tokens/s.
+
+The engine binds its OpenMP threads to every core (configs/default.yaml `cpu:`,
+the fastest plain-vLLM settings), and the online trainer shares those cores. An
+OpenMP runtime whose idle threads spin (libiomp5 waits `KMP_BLOCKTIME`, 200 ms
+by default, before sleeping) leaves the trainer little. Each variant is a fresh
+`online-opd serve` (defaults, fresh drafter, trainer on) with extra environment
+entries, under the same closed-loop traffic for `--minutes`:
+
+- `default`: nothing added;
+- `KMP_BLOCKTIME=0`: libiomp5's idle threads sleep at once;
+- further variants with `--variant NAME=VAR=VALUE,VAR=VALUE`.
+
+Per variant: output tokens/s, the trainer's steps, mean seconds per step
+(`train_seconds / steps` from its stats) and replayed tokens per second of wall
+time, all scraped at the end.
+
+    python benchmarks/trainer_share.py --minutes 5 --out benchmarks/results/trainer_share.json
+
+One JSON object on stdout (also written to --out); logs on stderr.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from serve.launcher import ROOT, ServerProcess, emit_result
+from serve.loadgen import LoadConfig, run_load
+
+logger = logging.getLogger("trainer_share")
+
+
+def parse_variant(text: str) -> tuple[str, dict[str, str]]:
+    name, _, assignments = text.partition("=")
+    env = dict(a.split("=", 1) for a in assignments.split(",") if a)
+    if not name or any(not k for k in env):
+        raise argparse.ArgumentTypeError(f"expected NAME=VAR=VALUE[,VAR=VALUE], got {text!r}")
+    return name, env
+
+
+def run_variant(name: str, env: dict[str, str], run_dir: Path, args: argparse.Namespace) -> dict:
+    server = ServerProcess(run_dir, args.config, *args.serve_arg, token="trainer-share", env=env)
+    try:
+        server.wait_ready(timeout=900)
+        summary = run_load(LoadConfig(
+            base_url=f"{server.url}/v1", prompts=args.prompts, split="all" if args.prompts == "humaneval" else "train",
+            num_prompts=256, max_tokens=args.max_tokens, temperature=0.0, concurrency=args.concurrency,
+            duration=args.minutes * 60, progress=False, seed=0))
+        time.sleep(2)
+        stats = json.loads((run_dir / "trainer_stats.json").read_text())
+    finally:
+        server.stop()
+    steps = stats.get("steps") or 0
+    result = {
+        "env": env, "output_tokens_per_s": summary["output_tokens_per_s"], "requests_ok": summary["requests_ok"],
+        "requests_failed": summary["requests_failed"], "wall_s": summary["wall_s"], "trainer_steps": steps,
+        "trainer_seconds_per_step": round(stats["train_seconds"] / steps, 2) if steps else None,
+        "trainer_replayed_tokens_per_wall_s": round((stats.get("replayed_tokens") or 0) / summary["wall_s"], 2),
+        "records_seen": stats.get("records_seen"),
+    }
+    logger.info("%s: %s", name, result)
+    return result
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("-c", "--config", type=Path, default=ROOT / "configs" / "default.yaml")
+    parser.add_argument("--minutes", type=float, default=5.0)
+    parser.add_argument("--prompts", choices=("humaneval", "sharegpt"), default="humaneval")
+    parser.add_argument("--concurrency", type=int, default=1)
+    parser.add_argument("--max-tokens", type=int, default=128)
+    parser.add_argument("--variant", type=parse_variant, action="append", default=None,
+                        help="NAME=VAR=VALUE[,VAR=VALUE] (repeat; default: default= and KMP_BLOCKTIME=0)")
+    parser.add_argument("--serve-arg", action="append", default=[], help="extra argument for `online-opd serve`")
+    parser.add_argument("--out", type=Path, default=None)
+    args = parser.parse_args()
+    logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(asctime)s %(name)s: %(message)s")
+    for name in ("httpx", "httpx2", "openai"):
+        logging.getLogger(name).setLevel(logging.WARNING)
+    args.config = args.config.resolve()
+    variants = args.variant or [("default", {}), ("kmp_blocktime_0", {"KMP_BLOCKTIME": "0"})]
+    with tempfile.TemporaryDirectory(prefix="trainer-share-") as tmp:
+        results = {name: run_variant(name, env, Path(tmp) / name, args) for name, env in variants}
+    emit_result({"benchmark": "trainer_share", "config": str(args.config), "minutes": args.minutes,
+                 "traffic": {"prompts": args.prompts, "concurrency": args.concurrency, "max_tokens": args.max_tokens,
+                             "temperature": 0.0},
+                 "variants": results,
+                 "note": "one run per variant, one after the other, on a shared 2-core machine"}, args.out)
+
+
+if __name__ == "__main__":
+    main()
