@@ -1,14 +1,13 @@
 """The online trainer's share of the CPU while `online-opd serve` serves: trainer step time and serving tokens/s.
 
 The engine binds its OpenMP threads to every core (configs/default.yaml `cpu:`,
-the fastest plain-vLLM settings), and the online trainer shares those cores. An
-OpenMP runtime whose idle threads spin (libiomp5 waits `KMP_BLOCKTIME`, 200 ms
-by default, before sleeping) leaves the trainer little. Each variant is a fresh
-`online-opd serve` (defaults, fresh drafter, trainer on) with extra environment
-entries, under the same closed-loop traffic for `--minutes`:
+the fastest plain-vLLM settings), and the online trainer shares those cores.
+Each variant is a fresh `online-opd serve` (defaults, fresh drafter, trainer on)
+with extra environment entries, under the same closed-loop traffic for
+`--minutes`. The variants test ways to give the trainer its share:
 
 - `default`: nothing added;
-- `KMP_BLOCKTIME=0`: libiomp5's idle threads sleep at once;
+- `KMP_BLOCKTIME=0`: libiomp5's idle threads sleep at once (by default they spin 200 ms);
 - further variants with `--variant NAME=VAR=VALUE,VAR=VALUE`.
 
 Per variant: output tokens/s, the trainer's steps, mean seconds per step
