@@ -29,13 +29,12 @@ from __future__ import annotations
 import argparse
 import logging
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
-from serve.launcher import ROOT, ServerProcess, emit_result
+from serve.launcher import ROOT, ServerProcess, benchmark_logging, emit_result
 from serve.loadgen import LoadConfig, run_load
 
 logger = logging.getLogger("capture_overhead")
@@ -124,9 +123,7 @@ def main() -> None:
     parser.add_argument("--run-dir", type=Path, default=None, help="server folders (default: a temp dir)")
     parser.add_argument("--out", type=Path, default=None, help="also write the JSON here")
     args = parser.parse_args()
-    logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(asctime)s %(name)s: %(message)s")
-    for name in ("httpx", "httpx2", "openai"):
-        logging.getLogger(name).setLevel(logging.WARNING)
+    benchmark_logging()
     args.drafter = check_drafter(args.drafter)
     args.config = args.config.resolve()
 

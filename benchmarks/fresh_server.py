@@ -33,14 +33,13 @@ from __future__ import annotations
 import argparse
 import logging
 import statistics
-import sys
 import tempfile
 import threading
 import time
 from pathlib import Path
 from typing import Any
 
-from serve.launcher import ROOT, PlainVllmServer, ServerProcess, emit_result
+from serve.launcher import ROOT, PlainVllmServer, ServerProcess, benchmark_logging, emit_result
 from serve.loadgen import LoadConfig, run_load
 from serve.report import load_scrapes
 from serve.scrape import scrape_loop
@@ -178,9 +177,7 @@ def main() -> None:
     parser.add_argument("--work-dir", type=Path, default=None, help="keep run folders and scrapes here")
     parser.add_argument("--out", type=Path, default=None, help="also write the JSON here (and the PNG beside it)")
     args = parser.parse_args()
-    logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(asctime)s %(name)s: %(message)s")
-    for name in ("httpx", "httpx2", "openai"):
-        logging.getLogger(name).setLevel(logging.WARNING)
+    benchmark_logging()
     args.config = args.config.resolve()
 
     from online_opd.config import load_config

@@ -48,7 +48,6 @@ import argparse
 import asyncio
 import logging
 import statistics
-import sys
 import tempfile
 import time
 from dataclasses import dataclass, field
@@ -58,7 +57,7 @@ from typing import Any
 import httpx
 
 from online_opd.data import Prompt
-from serve.launcher import ROOT, ServerProcess, emit_result
+from serve.launcher import ROOT, ServerProcess, benchmark_logging, emit_result
 from serve.loadgen import select_prompts
 
 logger = logging.getLogger("reload_latency")
@@ -308,9 +307,7 @@ def main() -> None:
     parser.add_argument("--run-dir", type=Path, default=None, help="server folder (default: a temp dir)")
     parser.add_argument("--out", type=Path, default=None, help="also write the JSON here")
     args = parser.parse_args()
-    logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(asctime)s %(name)s: %(message)s")
-    for name in ("httpx", "httpx2", "openai"):
-        logging.getLogger(name).setLevel(logging.WARNING)
+    benchmark_logging()
     args.drafter = check_drafter(args.drafter)
     args.config = args.config.resolve()
 

@@ -46,7 +46,6 @@ import argparse
 import json
 import logging
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -55,7 +54,7 @@ from typing import Any
 from online_opd.speculation.costs import CostModel, StepCosts
 from online_opd.speculation.policy import break_even_taus
 from serve.engine import ngram_speculative_config
-from serve.launcher import ROOT, PlainVllmServer, ServerProcess, emit_result, tau
+from serve.launcher import ROOT, PlainVllmServer, ServerProcess, benchmark_logging, emit_result, tau
 from serve.loadgen import LoadConfig, run_load
 
 logger = logging.getLogger("speculation_policy")
@@ -229,9 +228,7 @@ def main() -> None:
     parser.add_argument("--train", action="store_true", help="online-opd serve with its online trainer on")
     parser.add_argument("--out", type=Path, default=None, help="also write the JSON here")
     args = parser.parse_args()
-    logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(asctime)s %(name)s: %(message)s")
-    for name in ("httpx", "httpx2", "openai"):
-        logging.getLogger(name).setLevel(logging.WARNING)
+    benchmark_logging()
     args.config = args.config.resolve()
     with tempfile.TemporaryDirectory(prefix="speculation-policy-") as tmp:
         base = Path(tmp)

@@ -24,12 +24,11 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import sys
 import tempfile
 import time
 from pathlib import Path
 
-from serve.launcher import ROOT, ServerProcess, emit_result
+from serve.launcher import ROOT, ServerProcess, benchmark_logging, emit_result
 from serve.loadgen import LoadConfig, run_load
 
 logger = logging.getLogger("trainer_share")
@@ -79,9 +78,7 @@ def main() -> None:
     parser.add_argument("--serve-arg", action="append", default=[], help="extra argument for `online-opd serve`")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
-    logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(asctime)s %(name)s: %(message)s")
-    for name in ("httpx", "httpx2", "openai"):
-        logging.getLogger(name).setLevel(logging.WARNING)
+    benchmark_logging()
     args.config = args.config.resolve()
     variants = args.variant or [("default", {}), ("kmp_blocktime_0", {"KMP_BLOCKTIME": "0"})]
     with tempfile.TemporaryDirectory(prefix="trainer-share-") as tmp:

@@ -113,6 +113,15 @@ class PlainVllmServer(ServerProcess):
                                      stderr=subprocess.STDOUT, env=env, start_new_session=True)
 
 
+def benchmark_logging() -> None:
+    """A benchmark's logs: INFO on stderr (stdout carries its JSON), the HTTP clients' request lines off."""
+    import logging
+
+    logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(asctime)s %(name)s: %(message)s")
+    for name in ("httpx", "httpx2", "openai"):
+        logging.getLogger(name).setLevel(logging.WARNING)
+
+
 def emit_result(result: dict, out: Path | None) -> None:
     """A benchmark's JSON result on stdout, and also in `out` when given."""
     text = json.dumps(result, indent=2)
