@@ -1,14 +1,18 @@
 """The online trainer's share of the CPU while `online-opd serve` serves: trainer step time and serving tokens/s.
 
 The engine binds its OpenMP threads to every core (configs/default.yaml `cpu:`,
-the fastest plain-vLLM settings), and the online trainer shares those cores.
+the fastest plain-vLLM settings), and the online trainer shares those cores
+(`online.cpu_priority`, `online.duty_cycle`).
 Each variant is a fresh `online-opd serve` (defaults, fresh drafter, trainer on)
 with extra environment entries, under the same closed-loop traffic for
 `--minutes`. The variants test ways to give the trainer its share:
 
-- `default`: nothing added;
-- `KMP_BLOCKTIME=0`: libiomp5's idle threads sleep at once (by default they spin 200 ms);
-- further variants with `--variant NAME=VAR=VALUE,VAR=VALUE`.
+- `default`: the config's settings (configs/default.yaml: the trainer's process and its Ray on SCHED_IDLE,
+  training a quarter of the time, `online.duty_cycle: 0.25`);
+- `normal_priority`: `online.cpu_priority=normal`, the trainer competes with the engine;
+- `trainer_off`: `online.enabled=false`, what serving does without a trainer;
+- other variants with `--variant NAME=KEY=VALUE,KEY=VALUE` (a KEY with a dot is a config override,
+  any other an environment variable, e.g. `KMP_BLOCKTIME=0`).
 
 Per variant: output tokens/s, the trainer's steps, mean seconds per step
 (`train_seconds / steps` from its stats) and replayed tokens per second of wall
@@ -34,16 +38,29 @@ from serve.loadgen import LoadConfig, run_load
 logger = logging.getLogger("trainer_share")
 
 
-def parse_variant(text: str) -> tuple[str, dict[str, str]]:
+Variant = tuple[str, dict[str, str], list[str]]
+
+
+def parse_variant(text: str) -> Variant:
+    """NAME=KEY=VALUE[,KEY=VALUE]: a KEY with a dot is a config override (`online.cpu_priority=normal`),
+    any other an environment variable (`KMP_BLOCKTIME=0`)."""
     name, _, assignments = text.partition("=")
-    env = dict(a.split("=", 1) for a in assignments.split(",") if a)
-    if not name or any(not k for k in env):
-        raise argparse.ArgumentTypeError(f"expected NAME=VAR=VALUE[,VAR=VALUE], got {text!r}")
-    return name, env
+    pairs = [a.split("=", 1) for a in assignments.split(",") if a]
+    if not name or any(len(p) != 2 or not p[0] for p in pairs):
+        raise argparse.ArgumentTypeError(f"expected NAME=KEY=VALUE[,KEY=VALUE], got {text!r}")
+    env = {k: v for k, v in pairs if "." not in k}
+    overrides = [f"{k}={v}" for k, v in pairs if "." in k]
+    return name, env, overrides
 
 
-def run_variant(name: str, env: dict[str, str], run_dir: Path, args: argparse.Namespace) -> dict:
-    server = ServerProcess(run_dir, args.config, *args.serve_arg, token="trainer-share", env=env)
+DEFAULT_VARIANTS = [parse_variant(v) for v in (
+    "default=", "normal_priority=online.cpu_priority=normal", "trainer_off=online.enabled=false")]
+
+
+def run_variant(variant: Variant, run_dir: Path, args: argparse.Namespace) -> dict:
+    name, env, overrides = variant
+    options = [arg for override in overrides for arg in ("-o", override)]
+    server = ServerProcess(run_dir, args.config, *options, *args.serve_arg, token="trainer-share", env=env)
     try:
         server.wait_ready(timeout=900)
         summary = run_load(LoadConfig(
@@ -51,16 +68,17 @@ def run_variant(name: str, env: dict[str, str], run_dir: Path, args: argparse.Na
             num_prompts=256, max_tokens=args.max_tokens, temperature=0.0, concurrency=args.concurrency,
             duration=args.minutes * 60, progress=False, seed=0))
         time.sleep(2)
-        stats = json.loads((run_dir / "trainer_stats.json").read_text())
+        stats_file = run_dir / "trainer_stats.json"
+        stats = json.loads(stats_file.read_text()) if stats_file.exists() else {}  # none: the trainer is off
     finally:
         server.stop()
     steps = stats.get("steps") or 0
     result = {
-        "env": env, "output_tokens_per_s": summary["output_tokens_per_s"], "requests_ok": summary["requests_ok"],
+        "env": env, "overrides": overrides, "output_tokens_per_s": summary["output_tokens_per_s"], "requests_ok": summary["requests_ok"],
         "requests_failed": summary["requests_failed"], "wall_s": summary["wall_s"], "trainer_steps": steps,
         "trainer_seconds_per_step": round(stats["train_seconds"] / steps, 2) if steps else None,
         "trainer_replayed_tokens_per_wall_s": round((stats.get("replayed_tokens") or 0) / summary["wall_s"], 2),
-        "records_seen": stats.get("records_seen"),
+        "records_seen": stats.get("records_seen"), "idle_threads": stats.get("idle_threads"),
     }
     logger.info("%s: %s", name, result)
     return result
@@ -74,15 +92,16 @@ def main() -> None:
     parser.add_argument("--concurrency", type=int, default=1)
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--variant", type=parse_variant, action="append", default=None,
-                        help="NAME=VAR=VALUE[,VAR=VALUE] (repeat; default: default= and KMP_BLOCKTIME=0)")
+                        help="NAME=KEY=VALUE[,KEY=VALUE], a KEY with a dot a config override, else an environment "
+                             "variable (repeat; default: the defaults, online.cpu_priority=normal, the trainer off)")
     parser.add_argument("--serve-arg", action="append", default=[], help="extra argument for `online-opd serve`")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
     benchmark_logging()
     args.config = args.config.resolve()
-    variants = args.variant or [("default", {}), ("kmp_blocktime_0", {"KMP_BLOCKTIME": "0"})]
+    variants = args.variant or DEFAULT_VARIANTS
     with tempfile.TemporaryDirectory(prefix="trainer-share-") as tmp:
-        results = {name: run_variant(name, env, Path(tmp) / name, args) for name, env in variants}
+        results = {v[0]: run_variant(v, Path(tmp) / v[0], args) for v in variants}
     emit_result({"benchmark": "trainer_share", "config": str(args.config), "minutes": args.minutes,
                  "traffic": {"prompts": args.prompts, "concurrency": args.concurrency, "max_tokens": args.max_tokens,
                              "temperature": 0.0},

@@ -207,6 +207,18 @@ class OnlineConfig(StrictModel):
     checkpoint_every: int = Field(50, ge=1, description="Steps between saves of the trainer's own state.")
     num_threads: int = Field(
         1, ge=1, description="torch CPU threads of the trainer (the rest of the cores stay with the engine).")
+    cpu_priority: Literal["idle", "normal"] = Field(
+        "idle",
+        description="Scheduling class of the trainer's process and the local Ray it starts (Linux): idle = "
+                    "SCHED_IDLE, they run only on CPU time the engine and the API server leave unused and "
+                    "never preempt them (under full load the trainer may barely step); normal = they compete "
+                    "with the engine like any process. A trainer on a cluster (online.ray_address) is "
+                    "scheduled by its own node.")
+    duty_cycle: float = Field(
+        1.0, gt=0, le=1,
+        description="Share of its wall time the trainer computes: after each step (and gate) that took t "
+                    "seconds it rests t*(1-d)/d. 1 = back to back (a trainer on devices of its own); below 1 "
+                    "where it shares the engine's cores, whose serving it slows in proportion.")
     max_steps: int | None = Field(
         None, ge=1, description="Stop after this many steps; null = run until stopped.")
     state_dir: Path | None = Field(

@@ -68,3 +68,33 @@ def on_cpu() -> bool:
     from vllm.platforms import current_platform
 
     return current_platform.is_cpu()
+
+
+# libiomp5's fork handler (registered when the runtime starts, at `import torch` where it is preloaded)
+# sets a forked child's CPU affinity to one core: every process that Ray's driver forks (the Ray
+# head, the raylet, and through them the trainer actor) ran bound to core 0, beside the engine's
+# busiest OpenMP thread (tests/test_trainer_process.py). The trainer's process never forks without
+# exec, the case the handler exists for (an OpenMP runtime copied into a child), so it goes.
+TRAINER_PROCESS_ENV = {"KMP_INIT_AT_FORK": "false"}
+
+
+def trainer_process_env(environ: Mapping[str, str] = os.environ) -> dict[str, str]:
+    """The environment to start the online trainer's process (Ray's driver) with."""
+    return {**environ, **TRAINER_PROCESS_ENV}
+
+
+def set_idle_priority(tids: list[int]) -> list[int]:
+    """Move these threads (Linux thread ids; 0 = the caller) to the SCHED_IDLE scheduling class: they
+    run only on CPU time that no normal thread wants, and a normal thread that wakes preempts them at
+    once. Threads they start and processes they fork inherit the class. Returns the ids moved (a
+    thread gone meanwhile is skipped); nothing off Linux."""
+    if not hasattr(os, "SCHED_IDLE"):
+        return []
+    moved = []
+    for tid in tids:
+        try:
+            os.sched_setscheduler(tid, os.SCHED_IDLE, os.sched_param(0))
+        except (ProcessLookupError, PermissionError):
+            continue
+        moved.append(tid)
+    return moved

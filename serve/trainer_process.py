@@ -45,6 +45,8 @@ from typing import IO, Any
 
 from pydantic import BaseModel, ConfigDict
 
+from serve.cpu_runtime import set_idle_priority, trainer_process_env
+
 logger = logging.getLogger("online_opd.trainer_process")
 
 POLL_S = 1.0  # seconds between the child's stats lines
@@ -177,7 +179,8 @@ class TrainerProcess:
         engine = engine_cores(os.getpid())
         cpus = cores_beside(engine)
         proc = subprocess.Popen(self.command, cwd=ROOT, text=True, stdin=subprocess.PIPE,
-                                stdout=subprocess.PIPE, bufsize=1, start_new_session=True)
+                                stdout=subprocess.PIPE, bufsize=1, start_new_session=True,
+                                env=trainer_process_env())
         proc.stdin.write(self.spec.model_copy(update={"cpus": cpus}).model_dump_json() + "\n")
         proc.stdin.flush()
         self._line_at = time.monotonic()  # under self._lock (_supervise)
@@ -307,11 +310,16 @@ def _poll(handle, replica: str | None) -> tuple[dict | None, bool]:
 
 
 def read_spec(lines: IO[str]) -> TrainerSpec:
-    """The child's first step: its spec, and the cores it was given, taken before torch is imported
-    (``cores_beside``); the Ray processes it starts inherit them."""
+    """The child's first step: its spec, the cores it was given (``cores_beside``) and, with
+    ``online.cpu_priority: idle``, the SCHED_IDLE class, all taken before torch is imported and Ray
+    started: the Ray processes it starts and the trainer actor inherit them. Idle, every thread of
+    the trainer's side (the actor's compute and Ray's control plane, whose timers would otherwise
+    preempt the engine's OpenMP threads between their barriers) runs on CPU time the engine leaves."""
     spec = TrainerSpec.model_validate_json(lines.readline())
     if spec.cpus:
         os.sched_setaffinity(0, spec.cpus)
+    if spec.config.get("online", {}).get("cpu_priority", "idle") == "idle" and set_idle_priority([0]):
+        logger.info("online trainer process and its Ray on SCHED_IDLE (online.cpu_priority=idle)")
     return spec
 
 

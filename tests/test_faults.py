@@ -317,6 +317,12 @@ def test_the_trainer_killed_mid_step_restarts_and_resumes(server, rollouts):
         # the trainer's counters are withheld while it does not answer (trainer_up 0), as on a loaded machine
         wait_metrics(server, lambda m: m.get("online_opd_trainer_steps_total", steps) > steps, what="training steps")
         (actor,) = descendants(server, "ray::TrainerActor")
+        # Ray's processes and the actor run where the trainer process does (libiomp5's fork handler,
+        # switched off for it, bound them to one core), on SCHED_IDLE (online.cpu_priority: idle)
+        (driver,) = descendants(server, "serve.trainer_process")
+        for proc in (driver, actor, *descendants(server, "gcs_server"), *descendants(server, "raylet")):
+            assert os.sched_getaffinity(proc.pid) == os.sched_getaffinity(driver.pid), proc.name()
+            assert os.sched_getscheduler(proc.pid) == os.SCHED_IDLE, proc.name()
         actor.send_signal(signal.SIGKILL)  # steps follow one another: it dies inside one
         restarted = wait_metrics(server, lambda m: m.get(key, 0) == 1 and m["online_opd_trainer_up"] == 1,
                                  timeout=RESTART_S, what="the actor restarted by Ray")

@@ -123,6 +123,23 @@ def test_step_trains_fresh_records_first(world, tmp_path):
     assert trainer.stats()["steps"] == 1 and trainer.stats()["status"] == "training"
 
 
+def test_a_duty_cycle_rests_three_times_its_work_at_a_quarter(world, tmp_path):
+    """`online.duty_cycle` 0.25: after each step the trainer waits 3x the time the step (and its poll and
+    gate) took, so it computes a quarter of its wall time; the rests are counted in its stats."""
+    trainer = OnlineTrainer(_config(duty_cycle=0.25, max_steps=2), **_setup(world, tmp_path))
+    started = time.monotonic()
+    stats = trainer.run(threading.Event())
+    wall = time.monotonic() - started
+    assert stats["steps"] == 2
+    assert stats["rest_seconds"] >= 3 * stats["train_seconds"] > 0  # the work includes the optimizer steps
+    assert wall >= stats["rest_seconds"] * 4 / 3 * 0.99  # work plus three times the work
+    stop = threading.Event()
+    stop.set()
+    assert 2.9 < trainer.rest(stop, time.monotonic() - 1.0) < 3.2  # a set stop cuts the wait short
+    back_to_back = OnlineTrainer(_config(), **_setup(world, tmp_path / "b"))
+    assert back_to_back.rest(stop, time.monotonic() - 1.0) == 0.0 and back_to_back.stats()["rest_seconds"] == 0.0
+
+
 def test_run_gates_publishes_and_resumes(world, tmp_path):
     paths = _setup(world, tmp_path)
     cfg = _config(max_steps=3)

@@ -142,7 +142,7 @@ class OnlineTrainer:
         self._stats: dict[str, Any] = {
             "status": "waiting_for_data", **{k: 0 for k in _COUNTERS}, "loss": None, "loss_accepted": None,
             "loss_rejected": None, "lr": None, "grad_norm": None, "step_seconds": None, "train_seconds": 0.0,
-            "last_gate": None, "last_published": None, "last_error": None, "trained_from": current.version,
+            "rest_seconds": 0.0, "last_gate": None, "last_published": None, "last_error": None, "trained_from": current.version,
         }
         self._resume()
         self.sync_with_registry()
@@ -395,6 +395,7 @@ class OnlineTrainer:
         last_poll = -math.inf
         try:
             while not stop.is_set() and (ocfg.max_steps is None or self.step_count < ocfg.max_steps):
+                started = time.monotonic()
                 try:
                     if time.monotonic() - last_poll >= ocfg.poll_s:
                         self.sync_with_registry()
@@ -409,9 +410,23 @@ class OnlineTrainer:
                     stop.wait(ocfg.poll_s)
                     continue
                 self.gate_and_checkpoint()
+                self.rest(stop, started)
         finally:
             self.finish()
         return self.stats()
+
+    def rest(self, stop: threading.Event, started: float) -> float:
+        """Keep the trainer's compute to ``online.duty_cycle`` of its wall time: after work that began at
+        ``started`` (monotonic) and took t seconds, wait t*(1-d)/d (less if ``stop`` is set). Returns
+        the pause."""
+        duty = self.cfg.online.duty_cycle
+        if duty >= 1:
+            return 0.0
+        pause = (time.monotonic() - started) * (1 - duty) / duty
+        with self._lock:
+            self._stats["rest_seconds"] += pause
+        stop.wait(pause)
+        return pause
 
     def note_waiting(self) -> None:
         """Status "waiting_for_data" after a loop iteration without a step (an error status stays)."""

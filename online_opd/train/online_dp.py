@@ -174,6 +174,7 @@ def run_main(trainer: OnlineTrainer, stop: threading.Event) -> dict[str, Any]:
         while True:
             is_stop = stop.is_set() or (ocfg.max_steps is not None and trainer.step_count >= ocfg.max_steps)
             records = None
+            started = time.monotonic()
             if not is_stop:
                 try:
                     if time.monotonic() - last_poll >= ocfg.poll_s:
@@ -199,6 +200,7 @@ def run_main(trainer: OnlineTrainer, stop: threading.Event) -> dict[str, Any]:
                 stop.wait(ocfg.poll_s)
                 continue
             trainer.gate_and_checkpoint()
+            trainer.rest(stop, started)  # the replicas wait in the next exchange
     finally:
         trainer.finish()
     return trainer.stats()
