@@ -218,7 +218,8 @@ class OnlineConfig(StrictModel):
         1.0, gt=0, le=1,
         description="Share of its wall time the trainer computes: after each step (and gate) that took t "
                     "seconds it rests t*(1-d)/d. 1 = back to back (a trainer on devices of its own); below 1 "
-                    "where it shares the engine's cores, whose serving it slows in proportion.")
+                    "where it shares the engine's cores: the lower d, the less it slows serving (README, "
+                    "Known issues).")
     max_steps: int | None = Field(
         None, ge=1, description="Stop after this many steps; null = run until stopped.")
     state_dir: Path | None = Field(

@@ -73,7 +73,7 @@ def on_cpu() -> bool:
 # libiomp5's fork handler (registered when the runtime starts, at `import torch` where it is preloaded)
 # sets a forked child's CPU affinity to one core: every process that Ray's driver forks (the Ray
 # head, the raylet, and through them the trainer actor) ran bound to core 0, beside the engine's
-# busiest OpenMP thread (tests/test_trainer_process.py). The trainer's process never forks without
+# busiest OpenMP thread (tests/test_cpu_runtime.py shows it). The trainer's process never forks without
 # exec, the case the handler exists for (an OpenMP runtime copied into a child), so it goes.
 TRAINER_PROCESS_ENV = {"KMP_INIT_AT_FORK": "false"}
 

@@ -45,6 +45,7 @@ from typing import IO, Any
 
 from pydantic import BaseModel, ConfigDict
 
+from online_opd.config_serving import OnlineConfig  # pydantic only: no torch before the cores are set
 from serve.cpu_runtime import set_idle_priority, trainer_process_env
 
 logger = logging.getLogger("online_opd.trainer_process")
@@ -312,13 +313,14 @@ def _poll(handle, replica: str | None) -> tuple[dict | None, bool]:
 def read_spec(lines: IO[str]) -> TrainerSpec:
     """The child's first step: its spec, the cores it was given (``cores_beside``) and, with
     ``online.cpu_priority: idle``, the SCHED_IDLE class, all taken before torch is imported and Ray
-    started: the Ray processes it starts and the trainer actor inherit them. Idle, every thread of
-    the trainer's side (the actor's compute and Ray's control plane, whose timers would otherwise
-    preempt the engine's OpenMP threads between their barriers) runs on CPU time the engine leaves."""
+    started: the Ray processes it starts and the trainer actor inherit them, so every thread of the
+    trainer's side (the actor's compute and Ray's control plane) runs on CPU time the engine leaves.
+    That alone did not keep training from slowing serving here (README, Known issues):
+    ``online.duty_cycle`` bounds it."""
     spec = TrainerSpec.model_validate_json(lines.readline())
     if spec.cpus:
         os.sched_setaffinity(0, spec.cpus)
-    if spec.config.get("online", {}).get("cpu_priority", "idle") == "idle" and set_idle_priority([0]):
+    if OnlineConfig.model_validate(spec.config.get("online", {})).cpu_priority == "idle" and set_idle_priority([0]):
         logger.info("online trainer process and its Ray on SCHED_IDLE (online.cpu_priority=idle)")
     return spec
 
