@@ -215,11 +215,22 @@ class OnlineConfig(StrictModel):
                     "with the engine like any process. A trainer on a cluster (online.ray_address) is "
                     "scheduled by its own node.")
     duty_cycle: float = Field(
+        1.0, ge=0, le=1,
+        description="Share of its wall time the trainer computes while the engines serve: after each step (and "
+                    "gate) that took t seconds it rests t*(1-d)/d. 1 = back to back (a trainer on devices of its "
+                    "own); below 1 where it shares the engine's cores: the lower d, the less it slows serving "
+                    "(README, Known issues); 0 = no training while they serve, only while they are idle.")
+    idle_duty_cycle: float = Field(
         1.0, gt=0, le=1,
-        description="Share of its wall time the trainer computes: after each step (and gate) that took t "
-                    "seconds it rests t*(1-d)/d. 1 = back to back (a trainer on devices of its own); below 1 "
-                    "where it shares the engine's cores: the lower d, the less it slows serving (README, "
-                    "Known issues).")
+        description="The duty cycle once every engine the trainer serves has been idle (no request running or "
+                    "waiting, no token generated) for idle_after_s, as the trainer process reads it from its "
+                    "server's /metrics: a server that shares its cores with the trainer lends them while it "
+                    "has no traffic. A rest is cut short when the engines turn idle; unknown load (no scrape "
+                    "yet, a failed one, a trainer with no server) counts as serving.")
+    idle_after_s: float = Field(
+        10.0, ge=0,
+        description="Seconds of no load before the engines count as idle (idle_duty_cycle): longer than the "
+                    "gaps between requests of a steady client, so that those do not start a step.")
     max_steps: int | None = Field(
         None, ge=1, description="Stop after this many steps; null = run until stopped.")
     state_dir: Path | None = Field(

@@ -209,19 +209,43 @@ def replica_name() -> str:
     return default_writer_id()
 
 
-def start_online_trainer(cfg: OnlineOPDConfig, target: Path):
+def metrics_url(argv: list[str]) -> str | None:
+    """The URL of the server's own /metrics as `vllm serve` `argv` binds it (the last ``--host`` and
+    ``--port`` win, as in vLLM's parser; a wildcard host is reached on loopback); None when it serves
+    on a Unix socket or with TLS, which the trainer process does not read its load through."""
+    values: dict[str, str] = {"--host": "127.0.0.1", "--port": "8000"}
+    for i, arg in enumerate(argv):
+        name, eq, value = arg.partition("=")
+        if name in ("--uds", "--ssl-keyfile", "--ssl-certfile"):
+            return None
+        if name in values:
+            value = value if eq else (argv[i + 1] if i + 1 < len(argv) else "")
+            if value:
+                values[name] = value
+    host = {"0.0.0.0": "127.0.0.1", "::": "::1", "": "127.0.0.1"}.get(values["--host"], values["--host"])
+    return f"http://{f'[{host}]' if ':' in host else host}:{values['--port']}"
+
+
+def start_online_trainer(cfg: OnlineOPDConfig, target: Path, server_url: str | None = None):
     """Start the trainer in its own supervised process (serve/trainer_process.py: Ray's driver lives
     there, so losing Ray never ends the server); returns the function that stops it (state saved),
-    also registered to run at exit."""
+    also registered to run at exit. `server_url`: where the process reads the engine's load
+    (/metrics), for ``online.idle_duty_cycle``."""
     import atexit
 
     from serve.trainer_process import TrainerProcess, TrainerSpec
     from vllm_patches.endpoint import set_trainer_stats
 
+    if server_url is None:
+        logger.warning("the online trainer cannot read this server's load (a Unix socket or TLS): it counts as "
+                       "serving throughout%s", ", and online.duty_cycle 0 trains only while the engine is idle: "
+                       "it will not train" if cfg.online.duty_cycle == 0 else "")
+
     trainer = TrainerProcess(TrainerSpec(
         config=cfg.model_dump(mode="json"), target_path=str(target),
         buffer_dir=canonical_location(cfg.capture.buffer_dir), registry_dir=str(cfg.serve.registry.resolve()),
-        state_dir=str(cfg.online.resolved_state_dir(cfg.serve.run_dir).resolve()), replica=replica_name()),
+        state_dir=str(cfg.online.resolved_state_dir(cfg.serve.run_dir).resolve()), replica=replica_name(),
+        server_url=server_url),
         stats_file=trainer_stats_path(cfg))
     trainer.start()
     set_trainer_stats(trainer.stats)
@@ -272,7 +296,7 @@ def serve(cfg: OnlineOPDConfig, *, drafter: Path | None = None, capture: bool = 
     if training and drafter is not None:
         logger.warning("--drafter bypasses the registry: the online trainer and reloader are off")
         training = False
-    stop_trainer = start_online_trainer(cfg, target) if training else None
+    stop_trainer = start_online_trainer(cfg, target, metrics_url(argv)) if training else None
     if stop_trainer is None:
         logger.info("online training off")
     try:

@@ -90,13 +90,17 @@ class TrainerActor:
             logger.exception("online trainer died; exiting so that Ray restarts the actor")
             os._exit(1)
 
-    def stats(self, replica: str | None = None) -> dict[str, Any]:
+    def stats(self, replica: str | None = None, load: str | None = None) -> dict[str, Any]:
         """The trainer's figures plus whether its thread is alive, this process's id and the replicas
-        it trains for; `replica` (a serving replica's poll) renews that replica's lease."""
+        it trains for; `replica` (a serving replica's poll) renews that replica's lease, `load` ("busy",
+        "idle" or "unknown", as its trainer process read it from the server's /metrics) is that
+        replica's engine load (``OnlineTrainer.note_engine_load``)."""
         with self._replicas_lock:
             if replica is not None:
                 self._replicas[replica] = time.monotonic()
             replicas = sorted(self._replicas)
+        if load is not None:
+            self._trainer.note_engine_load(replica or "local", {"busy": True, "idle": False}.get(load))
         thread = self._thread
         return {**self._trainer.stats(), "running": thread is not None and thread.is_alive(),
                 "pid": os.getpid(), "replicas": replicas}

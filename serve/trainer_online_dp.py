@@ -9,7 +9,9 @@ TrainerActor runs either alike: ``run`` starts Ray Train's ``TorchTrainer`` (ser
 Figures and stop. Rank 0 reports its ``stats()`` every ``REPORT_S`` seconds to a ``StatsBox``, a
 small actor this object creates and passes to the workers; ``stats()`` reads the box, and the
 answer to a report carries the stop request that ``run``'s ``stop`` event raised, so rank 0 ends the
-loop, sends stop to the other ranks and saves the state, as ``OnlineTrainer.run`` does.
+loop, sends stop to the other ranks and saves the state, as ``OnlineTrainer.run`` does. It also
+carries whether the serving engines are idle (the box keeps their load reports,
+``note_engine_load``), which rank 0's rest follows (``OnlineTrainer.rest``).
 
 Placement. The workers join the TrainerActor's Ray (``online.ray_address``; a local Ray is sized
 for them by ``start_trainer``); each reserves one CPU (one GPU with cuda) plus
@@ -31,7 +33,7 @@ import torch
 from online_opd.config import OnlineOPDConfig, TrainerConfig
 from online_opd.train import distributed as dp
 from online_opd.train import online_dp
-from online_opd.train.online import OnlineTrainer
+from online_opd.train.online import EngineLoad, OnlineTrainer
 from serve.trainer_dp import fit, scaling_config
 
 logger = logging.getLogger(__name__)
@@ -39,17 +41,30 @@ logger = logging.getLogger(__name__)
 REPORT_S = 1.0  # seconds between rank 0's stats reports (and its checks for a stop request)
 
 
+class _ReportedLoad:
+    """Rank 0's ``OnlineTrainer.load``: the box's answer to its latest report (``EngineLoad.idle``)."""
+
+    is_idle = False
+
+    def idle(self) -> bool:
+        return self.is_idle
+
+
 class StatsBox:
     """Ray actor body: rank 0's latest figures, and whether the trainer was asked to stop."""
 
-    def __init__(self, num_workers: int) -> None:
+    def __init__(self, num_workers: int, idle_after_s: float) -> None:
         self._stats: dict[str, Any] = {"status": "starting", "num_workers": num_workers}
         self._is_stopping = False
+        self._load = EngineLoad(idle_after_s)
 
-    def report(self, stats: dict[str, Any]) -> bool:
-        """Keep rank 0's ``stats``; returns whether to stop."""
+    def report(self, stats: dict[str, Any]) -> tuple[bool, bool]:
+        """Keep rank 0's ``stats``; returns whether to stop and whether the engines are idle."""
         self._stats = stats
-        return self._is_stopping
+        return self._is_stopping, self._load.idle()
+
+    def note_engine_load(self, source: str, busy: bool | None) -> None:
+        self._load.report(source, busy)
 
     def request_stop(self) -> None:
         self._is_stopping = True
@@ -78,7 +93,7 @@ class DataParallelOnlineTrainer:
         self._paths = {"target_path": str(Path(target_path).resolve()), "buffer_dir": str(buffer_dir),
                        "registry_dir": str(Path(registry_dir).resolve()),
                        "state_dir": str(Path(state_dir).resolve())}
-        self._box = ray.remote(num_cpus=0)(StatsBox).remote(cfg.trainer.num_workers)
+        self._box = ray.remote(num_cpus=0)(StatsBox).remote(cfg.trainer.num_workers, cfg.online.idle_after_s)
         self._final: dict[str, Any] | None = None
 
     def run(self, stop: threading.Event) -> dict[str, Any]:
@@ -99,6 +114,10 @@ class DataParallelOnlineTrainer:
             done.set()
         return self.stats()
 
+    def note_engine_load(self, source: str, busy: bool | None) -> None:
+        """A serving replica's load, kept by the box for rank 0 (``OnlineTrainer.note_engine_load``)."""
+        self._box.note_engine_load.remote(source, busy)
+
     def stats(self) -> dict[str, Any]:
         """Rank 0's latest figures (its final ones once ``run`` returned), plus ``num_workers``."""
         stats = self._final if self._final is not None else ray.get(self._box.latest.remote(), timeout=10)
@@ -115,11 +134,13 @@ def _online_worker(config: dict) -> dict:
     trainer = OnlineTrainer(cfg, target_path=Path(config["target_path"]), buffer_dir=config["buffer_dir"],
                             registry_dir=Path(config["registry_dir"]), state_dir=Path(config["state_dir"]))
     box, stop, done = config["stats_box"], threading.Event(), threading.Event()
+    trainer.load = _ReportedLoad()
 
     def report() -> None:
         while not done.wait(REPORT_S):
             try:
-                if ray.get(box.report.remote(trainer.stats()), timeout=30):
+                is_stopping, trainer.load.is_idle = ray.get(box.report.remote(trainer.stats()), timeout=30)
+                if is_stopping:
                     stop.set()
             except Exception as exc:  # the box is the actor's: without it nobody reads the figures
                 logger.warning("online trainer rank 0: stats report failed: %r", exc)

@@ -27,6 +27,11 @@ restart is logged once, at WARNING or ERROR. With ``stats_file`` it also
 writes each line's ``stats()`` there (JSON, with the wall time ``at``): the
 API servers vLLM spawns as processes of their own (``--api-server-count N``)
 read the trainer's figures from it (``vllm_patches.endpoint.read_trainer_stats_file``).
+
+Engine load. With ``server_url`` in its spec the child reads the server's /metrics every
+``LOAD_POLL_S`` (``ServerLoad``) and passes the load ("busy", "idle" or "unknown") with its next
+stats poll, so the trainer rests by ``online.idle_duty_cycle`` while the engine has no traffic
+(``OnlineTrainer.rest``).
 """
 
 from __future__ import annotations
@@ -51,6 +56,7 @@ from serve.cpu_runtime import set_idle_priority, trainer_process_env
 logger = logging.getLogger("online_opd.trainer_process")
 
 POLL_S = 1.0  # seconds between the child's stats lines
+LOAD_POLL_S = 2.0  # seconds between the child's reads of the engine's load (its server's /metrics)
 STATS_TIMEOUT_S = 5.0  # the child's wait for the actor's answer
 STALE_S = 20.0  # no line for this long: the trainer counts as down
 #: No line for this long (from its start, or since its last line): the child is hung, not slow. It
@@ -72,6 +78,44 @@ class TrainerSpec(BaseModel):
     state_dir: str
     replica: str = ""  # the serving replica (its capture writer id); "" = this host and the server's pid
     cpus: list[int] | None = None  # cores the child (and the Ray it starts) runs on; None = inherited
+    server_url: str | None = None  # the server whose /metrics carries the engine's load; None = not read
+
+
+class ServerLoad:
+    """The serving engine's load, from its server's /metrics (vLLM's own gauges and counter).
+
+    ``read()``: "busy" while a request runs or waits, or when generated tokens grew since the previous
+    read (a request that came and went between two reads); "idle" otherwise; "unknown" when /metrics
+    does not answer in ``timeout`` or lacks vLLM's figures (the server is starting).
+    """
+
+    QUEUES = ("vllm:num_requests_running", "vllm:num_requests_waiting")
+    TOKENS = "vllm:generation_tokens_total"
+
+    def __init__(self, url: str, timeout: float = LOAD_POLL_S) -> None:
+        self.url = url
+        self.timeout = timeout
+        self._tokens: float | None = None
+
+    def read(self) -> str:
+        import httpx
+
+        from serve.scrape import parse_metrics
+
+        try:
+            reply = httpx.get(f"{self.url.rstrip('/')}/metrics", timeout=self.timeout)
+            reply.raise_for_status()
+            # only the three series are parsed: the whole exposition (histograms) costs far more each read
+            wanted = (*self.QUEUES, self.TOKENS, "# TYPE vllm:num_requests_", "# TYPE vllm:generation_tokens")
+            metrics = parse_metrics("\n".join(line for line in reply.text.splitlines() if line.startswith(wanted)))
+        except Exception as exc:  # starting, restarting, too slow: the trainer treats it as serving
+            logger.debug("engine load unavailable from %s: %r", self.url, exc)
+            return "unknown"
+        if self.TOKENS not in metrics or any(k not in metrics for k in self.QUEUES):
+            return "unknown"
+        tokens, self._tokens = self._tokens, metrics[self.TOKENS]
+        is_busy = sum(metrics[k] for k in self.QUEUES) > 0 or (tokens is not None and tokens != self._tokens)
+        return "busy" if is_busy else "idle"
 
 
 class TrainerProcess:
@@ -296,13 +340,14 @@ def _watch_stdin(stop: threading.Event) -> None:
     stop.set()
 
 
-def _poll(handle, replica: str | None) -> tuple[dict | None, bool]:
-    """(the actor's stats or None while it does not answer, whether it is dead for good)."""
+def _poll(handle, replica: str | None, load: str | None = None) -> tuple[dict | None, bool]:
+    """(the actor's stats or None while it does not answer, whether it is dead for good); `load`, the
+    engine's as ``ServerLoad`` read it, goes with the poll (``TrainerActor.stats``)."""
     import ray
     from ray.exceptions import ActorDiedError
 
     try:
-        return ray.get(handle.stats.remote(replica), timeout=STATS_TIMEOUT_S), False
+        return ray.get(handle.stats.remote(replica, load), timeout=STATS_TIMEOUT_S), False
     except ActorDiedError:
         return None, True
     except Exception as exc:  # timed out, restarting, unavailable
@@ -343,7 +388,7 @@ def main() -> int:
     handle = start_trainer(cfg, target_path=Path(spec.target_path), buffer_dir=spec.buffer_dir,
                            registry_dir=Path(spec.registry_dir), state_dir=Path(spec.state_dir), replica=replica)
     with stop_on_signals(stop=stop):  # after ray.init, which installs handlers of its own
-        code = _report(handle, stop, protocol, replica)
+        code = _report(handle, stop, protocol, replica, ServerLoad(spec.server_url) if spec.server_url else None)
         final = stop_trainer(handle, replica=replica) if code == 0 else None
     if final:
         logger.info("online trainer stopped after %s steps", final.get("steps"))
@@ -353,10 +398,17 @@ def main() -> int:
     return code
 
 
-def _report(handle, stop: threading.Event, protocol: IO[str], replica: str | None) -> int:
-    """Write the actor's stats every ``POLL_S`` until ``stop``; the exit code for ``main``."""
+def _report(handle, stop: threading.Event, protocol: IO[str], replica: str | None,
+            load: ServerLoad | None = None) -> int:
+    """Write the actor's stats every ``POLL_S`` until ``stop``, passing the engine's load every
+    ``LOAD_POLL_S`` when `load` reads it; the exit code for ``main``."""
+    next_read = 0.0
     while not stop.wait(POLL_S):
-        stats, is_gone = _poll(handle, replica)
+        state = None
+        if load is not None and time.monotonic() >= next_read:
+            next_read = time.monotonic() + LOAD_POLL_S
+            state = load.read()
+        stats, is_gone = _poll(handle, replica, state)
         if is_gone:
             logger.error("online trainer actor is dead and Ray will not restart it (online.max_restarts)")
             return EXIT_ACTOR_GONE

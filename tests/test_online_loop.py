@@ -40,10 +40,13 @@ def test_serve_train_gate_publish_reload(tmp_path):
         registry = DrafterRegistry(server.run_dir / "registry")
         deadline = time.monotonic() + 900
         seen: dict[str, float] = {}
+        loads: list[float] = []  # the trainer's view of the engine's load under traffic
         while time.monotonic() < deadline:
             time.sleep(3)
             m = server.metrics()
             seen = {k: max(v, seen.get(k, 0.0)) for k, v in m.items()}
+            if "online_opd_trainer_engines_idle" in m:
+                loads.append(m["online_opd_trainer_engines_idle"])
             # the reload is seen within a poll of the promotion; the trainer's gate figures (its stats
             # line, every second) and the promoted version's served acceptance can come a scrape later
             if seen.get("online_opd_reloads_total{result=ok}", 0) >= 1 and \
@@ -54,6 +57,11 @@ def test_serve_train_gate_publish_reload(tmp_path):
         stop.set()
         sender.join(600)
         history = registry.history()
+        # no traffic now: the trainer process reads the engine idle from /metrics (online.idle_after_s 2)
+        idle_deadline = time.monotonic() + 60
+        while server.metrics().get("online_opd_trainer_engines_idle") != 1.0 and time.monotonic() < idle_deadline:
+            time.sleep(1)
+        is_idle_after = server.metrics().get("online_opd_trainer_engines_idle") == 1.0
     finally:
         stop.set()
         code = server.stop()
@@ -71,6 +79,8 @@ def test_serve_train_gate_publish_reload(tmp_path):
     events = [e["event"] for e in history]
     assert "publish" in events and events.count("promote") >= 2, history  # v0001, then a gated candidate
     assert all(s["requests_failed"] == 0 for s in summaries), summaries
+    assert loads and 0.0 in loads, loads  # read busy while requests ran
+    assert is_idle_after, log
 
 
 def test_live_check_rolls_back_a_worse_drafter(trained_run, tmp_path):

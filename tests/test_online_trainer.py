@@ -21,7 +21,7 @@ from online_opd.release.registry import DrafterRegistry
 from online_opd.traces.buffer import SegmentWriter
 from online_opd.traces.records import BlockRecord, SequenceRecord
 from online_opd.train.loop import train
-from online_opd.train.online import OnlineTrainer
+from online_opd.train.online import EngineLoad, OnlineTrainer
 from online_opd.train.sequences import TrainSequence, compute_aux_hidden
 from online_opd.train.sft import sample_anchors, sft_loss
 from tests.tiny import tiny_drafter, tiny_target
@@ -133,11 +133,76 @@ def test_a_duty_cycle_rests_three_times_its_work_at_a_quarter(world, tmp_path):
     assert stats["steps"] == 2
     assert stats["rest_seconds"] >= 3 * stats["train_seconds"] > 0  # the work includes the optimizer steps
     assert wall >= stats["rest_seconds"] * 4 / 3 * 0.99  # work plus three times the work
+    assert 0.55 < trainer.rest(threading.Event(), time.monotonic() - 0.2) < 0.9  # 0.2 s of work: 0.6 s
     stop = threading.Event()
     stop.set()
-    assert 2.9 < trainer.rest(stop, time.monotonic() - 1.0) < 3.2  # a set stop cuts the wait short
+    assert trainer.rest(stop, time.monotonic() - 1.0) == 0.0  # a set stop ends the rest
     back_to_back = OnlineTrainer(_config(), **_setup(world, tmp_path / "b"))
-    assert back_to_back.rest(stop, time.monotonic() - 1.0) == 0.0 and back_to_back.stats()["rest_seconds"] == 0.0
+    assert back_to_back.rest(threading.Event(), time.monotonic() - 1.0) == 0.0
+    assert back_to_back.stats()["rest_seconds"] == 0.0
+
+
+def test_engine_load_is_idle_only_after_every_fresh_source_stayed_idle():
+    """`EngineLoad` by hand: idle once each reporting source's last busy (or unknown, or first) report
+    lies `idle_after_s` back; no source, or only stale ones, is not idle."""
+    load = EngineLoad(idle_after_s=10.0, stale_s=30.0)
+    assert not load.idle(at=100.0)  # nobody reported: as if serving
+    load.report("a", False, at=100.0)
+    assert not load.idle(at=105.0) and load.idle(at=110.0)  # idle from its first report on
+    load.report("a", True, at=111.0)
+    load.report("a", False, at=113.0)
+    assert not load.idle(at=120.0) and load.idle(at=121.0)  # 10 s after the last busy report
+    load.report("a", None, at=122.0)  # unreadable: counts as busy
+    assert not load.idle(at=140.0)  # until a report says idle
+    load.report("a", False, at=141.0)
+    assert load.idle(at=141.0)  # its last busy (unknown) report lies 19 s back
+    load.report("b", False, at=145.0)
+    assert not load.idle(at=154.0) and load.idle(at=155.0)  # both sources must be idle
+    load.report("b", True, at=156.0)
+    assert not load.idle(at=160.0)
+    assert not load.idle(at=187.0)  # a (141) and b (156) silent for over 30 s: nobody left
+    load.report("a", False, at=190.0)
+    assert not load.idle(at=191.0) and load.idle(at=200.0)  # a is back; b no longer counts
+
+
+def test_rest_follows_the_engine_load(world, tmp_path):
+    """Busy engines: the rest keeps to `duty_cycle`; idle ones (`idle_duty_cycle` 1): no rest, and a
+    rest under way ends within a check once the load reports turn idle."""
+    trainer = OnlineTrainer(_config(duty_cycle=0.25, idle_duty_cycle=1.0, idle_after_s=0.0), **_setup(world, tmp_path))
+    trainer.note_engine_load("replica", True)
+    assert not trainer.stats()["engines_idle"]
+    assert 0.55 < trainer.rest(threading.Event(), time.monotonic() - 0.2, check_s=0.05) < 0.9
+    trainer.note_engine_load("replica", False)
+    assert trainer.stats()["engines_idle"]
+    assert trainer.rest(threading.Event(), time.monotonic() - 1.0) == 0.0
+    trainer.note_engine_load("replica", True)
+    threading.Timer(0.5, trainer.note_engine_load, args=("replica", False)).start()
+    rested = trainer.rest(threading.Event(), time.monotonic() - 10.0, check_s=0.05)  # 30 s if it stayed busy
+    assert 0.45 < rested < 2.0
+
+
+def test_a_zero_duty_cycle_trains_only_while_the_engines_are_idle(world, tmp_path):
+    """`online.duty_cycle` 0: records are read, but no step starts while the engines serve (or before any
+    load report); the first idle report lets it train."""
+    trainer = OnlineTrainer(_config(duty_cycle=0.0, idle_after_s=0.0, max_steps=1), **_setup(world, tmp_path))
+    stop = threading.Event()
+    runner = threading.Thread(target=trainer.run, args=(stop,))
+    runner.start()
+    try:
+        time.sleep(1.0)  # no report yet: counts as serving
+        trainer.note_engine_load("replica", True)
+        time.sleep(1.0)
+        held = trainer.stats()
+        assert held["steps"] == 0 and held["status"] == "waiting_for_idle_engines", held
+        assert held["records_seen"] == len(world["records"])  # the buffer is tailed meanwhile
+        assert trainer.rest(threading.Event(), time.monotonic() - 5.0) == 0.0  # may_step holds it, not a rest
+        trainer.note_engine_load("replica", False)
+        runner.join(60)
+        assert not runner.is_alive()
+    finally:
+        stop.set()
+        runner.join(60)
+    assert trainer.stats()["steps"] == 1
 
 
 def test_run_gates_publishes_and_resumes(world, tmp_path):

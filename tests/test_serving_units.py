@@ -17,7 +17,7 @@ from safetensors.torch import load_file, save_file
 from online_opd.config import load_config
 from online_opd.files import sha256_file
 from online_opd.models.drafters.checkpoint import save_drafter
-from serve.server import engine_flags, vllm_argv
+from serve.server import engine_flags, metrics_url, vllm_argv
 from tests.tiny import tiny_drafter, tiny_eagle3_drafter
 from vllm_patches import UnsupportedVLLMVersion, check_vllm_version
 from vllm_patches.capture import opted_out
@@ -74,6 +74,16 @@ def test_engine_flags_and_argv(tmp_path):
     assert argv[argv.index("--worker-extension-cls") + 1] == "vllm_patches.worker_ext.OnlineOPDWorkerExtension"
     assert "--enforce-eager" in argv
     assert argv[-4:] == ["--max-num-seqs", "4", "--port", "9999"]  # pass-through last: it wins
+    assert metrics_url(argv) == "http://127.0.0.1:9999"  # the trainer process reads the load there
+
+
+def test_metrics_url_follows_vllms_last_host_and_port():
+    assert metrics_url(["serve", "m"]) == "http://127.0.0.1:8000"  # vLLM's defaults
+    assert metrics_url(["serve", "m", "--host", "0.0.0.0", "--port", "1", "--port=9001"]) == "http://127.0.0.1:9001"
+    assert metrics_url(["serve", "m", "--host=::", "--port", "9002"]) == "http://[::1]:9002"
+    assert metrics_url(["serve", "m", "--host", "10.0.0.5"]) == "http://10.0.0.5:8000"
+    assert metrics_url(["serve", "m", "--uds", "/tmp/s.sock"]) is None  # not read: the load counts as serving
+    assert metrics_url(["serve", "m", "--ssl-keyfile", "k.pem", "--ssl-certfile", "c.pem"]) is None
 
 
 @pytest.mark.parametrize("make, method", [(tiny_drafter, "dflash"), (tiny_eagle3_drafter, "eagle3")])
@@ -188,7 +198,7 @@ def test_prometheus_series_from_status_and_trainer():
     trainer = {"steps": 12, "replayed_tokens": 900, "loss": 0.5, "loss_accepted": 0.2, "loss_rejected": 0.3,
                "promotions": 1, "gates": 2, "last_gate": {"tau_candidate": 1.4, "tau_serving": 1.2,
                                                            "record_diff_lower": 0.05},
-               "restarts": {"actor": 2, "ray": 1}}
+               "rest_seconds": 30.5, "engines_idle": True, "restarts": {"actor": 2, "ray": 1}}
     registry.register(PolledCollector(lambda: status))
     registry.register(TrainerCollector(lambda: trainer))
     text = generate_latest(registry).decode()
@@ -200,7 +210,8 @@ def test_prometheus_series_from_status_and_trainer():
                  "online_opd_gate_lower_bound 0.05", "online_opd_trainer_up 1.0",
                  "online_opd_gate_promotions_total 1.0", "online_opd_buffer_write_errors_total 4.0",
                  "online_opd_buffer_held_records 5.0", 'online_opd_trainer_restarts_total{level="actor"} 2.0',
-                 'online_opd_trainer_restarts_total{level="ray"} 1.0']:
+                 'online_opd_trainer_restarts_total{level="ray"} 1.0', "online_opd_trainer_rest_seconds_total 30.5",
+                 "online_opd_trainer_engines_idle 1.0"]:
         assert line in text, line
     down = CollectorRegistry()
     down.register(TrainerCollector(lambda: None))

@@ -13,7 +13,7 @@ import time
 import psutil
 import pytest
 
-from serve.trainer_process import TrainerProcess, TrainerSpec
+from serve.trainer_process import ServerLoad, TrainerProcess, TrainerSpec
 from vllm_patches.endpoint import read_trainer_stats_file
 
 # Run 1 starts a process that outlives it, reports actor pid 11, then 12 (Ray restarted the actor), then
@@ -176,3 +176,9 @@ def test_the_trainer_child_runs_beside_the_engine_workers_cores(tmp_path):
         worker.wait()
     assert stats["cpus"] == stats["affinity"] == sorted(allowed - {0}), stats
     assert cores_beside({0, *allowed}) is None  # the engine holds every core: nothing to give
+
+
+def test_an_unreachable_server_reads_as_unknown_load():
+    """No server behind the URL (starting, gone): "unknown", which the trainer counts as serving
+    (the "busy" and "idle" readings of a real server: tests/test_online_loop.py)."""
+    assert ServerLoad("http://127.0.0.1:9", timeout=1.0).read() == "unknown"

@@ -146,6 +146,8 @@ class TrainerCollector(Collector):
             ("steps", "trainer_steps", "Online trainer optimizer steps."),
             ("replayed_tokens", "trainer_replayed_tokens", "Tokens replayed (sequence + drafted blocks)."),
             ("train_seconds", "trainer_step_seconds", "Seconds spent in optimizer steps (replay + update)."),
+            ("rest_seconds", "trainer_rest_seconds",
+             "Seconds the trainer rested to keep to its duty cycle (online.duty_cycle, idle_duty_cycle)."),
             ("records_seen", "trainer_records_seen", "Buffer records read by the trainer."),
             ("records_invalid", "trainer_records_invalid", "Records failing capture fidelity (skipped)."),
             ("records_simulated", "trainer_records_simulated",
@@ -165,7 +167,9 @@ class TrainerCollector(Collector):
                 loss.add_metric([part], float(stats[key]))
         yield loss
         for key, name, doc in [("train_pool", "trainer_train_records", "Records in the training window."),
-                               ("held_out_pool", "trainer_held_out_records", "Held-out records for the gate.")]:
+                               ("held_out_pool", "trainer_held_out_records", "Held-out records for the gate."),
+                               ("engines_idle", "trainer_engines_idle",
+                                "1 while the trainer sees every engine it serves idle (online.idle_duty_cycle).")]:
             family = GaugeMetricFamily(f"{PREFIX}_{name}", doc)
             family.add_metric([], float(stats.get(key) or 0))
             yield family

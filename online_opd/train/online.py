@@ -69,6 +69,14 @@ train/online_dp.py runs its loop and the replicas of the other ranks.
 Threads. ``torch.set_num_threads(online.num_threads)`` bounds the process's
 intra-op threads, so on the CPU default the trainer leaves the other cores to
 the serving engine.
+
+Sharing the engine's cores. After each step the trainer rests so that it computes
+``online.duty_cycle`` of its wall time while the engines serve, and
+``online.idle_duty_cycle`` once they have been idle for ``online.idle_after_s``
+(``EngineLoad``: each serving replica's trainer process reports its server's load,
+read from /metrics, through ``note_engine_load``). No report, or an unknown load,
+counts as serving. ``duty_cycle`` 0: no step starts while the engines serve
+(``may_step``; status "waiting_for_idle_engines"), the buffer is still tailed.
 """
 
 from __future__ import annotations
@@ -96,6 +104,43 @@ from online_opd.train.opd import objective_fn, plan_replay, replayable_blocks
 from online_opd.train.state import STATE_FILE, load_state, save_state
 
 logger = logging.getLogger(__name__)
+
+#: A load source (a serving replica) that has not reported for this long no longer counts.
+LOAD_STALE_S = 30.0
+
+
+class EngineLoad:
+    """Whether every engine the trainer serves has been idle for ``idle_after_s``, from their reports.
+
+    ``report(source, busy)``: one observation of a source's load, ``busy`` None when it could not be read
+    (counts as busy). A source counts as idle while its latest report says idle and its latest busy (or
+    unknown) report, or its first report, lies ``idle_after_s`` back; sources silent for ``stale_s`` are
+    dropped, and with none left the engines do not count as idle. Times are wall-clock seconds (reports
+    may cross processes).
+    Thread-safe.
+    """
+
+    def __init__(self, idle_after_s: float, stale_s: float = LOAD_STALE_S) -> None:
+        self.idle_after_s = idle_after_s
+        self.stale_s = stale_s
+        self._lock = threading.Lock()
+        # source -> (its last report, its last busy or first report, whether the last one was busy)
+        self._sources: dict[str, tuple[float, float, bool]] = {}
+
+    def report(self, source: str, busy: bool | None, at: float | None = None) -> None:
+        at = time.time() if at is None else at
+        is_busy = busy is None or busy
+        with self._lock:
+            _, since, _ = self._sources.get(source, (at, at, False))
+            self._sources[source] = (at, at if is_busy else since, is_busy)
+
+    def idle(self, at: float | None = None) -> bool:
+        at = time.time() if at is None else at
+        with self._lock:
+            self._sources = {s: v for s, v in self._sources.items() if at - v[0] <= self.stale_s}
+            fresh = list(self._sources.values())
+        return bool(fresh) and all(not is_busy and at - since >= self.idle_after_s for _, since, is_busy in fresh)
+
 
 _COUNTERS = ("steps", "replayed_tokens", "records_seen", "records_invalid", "records_unusable", "records_simulated",
              "gates", "promotions", "rejections", "errors", "resyncs")
@@ -137,6 +182,7 @@ class OnlineTrainer:
         self.fresh: OrderedDict[str, SequenceRecord] = OrderedDict()  # untrained records of the window
         self.held_out: deque[SequenceRecord] = deque(maxlen=cfg.gate.max_records)
         self._lock = threading.Lock()
+        self.load = EngineLoad(cfg.online.idle_after_s)
         self._warned_unusable = False
         self._saved_step = -1
         self._stats: dict[str, Any] = {
@@ -401,6 +447,9 @@ class OnlineTrainer:
                         self.sync_with_registry()
                         self.poll()
                         last_poll = time.monotonic()
+                    if not self.may_step():
+                        stop.wait(min(ocfg.poll_s, 1.0))
+                        continue
                     if self.step() is None:
                         self.note_waiting()
                         stop.wait(ocfg.poll_s)
@@ -415,18 +464,42 @@ class OnlineTrainer:
             self.finish()
         return self.stats()
 
-    def rest(self, stop: threading.Event, started: float) -> float:
-        """Keep the trainer's compute to ``online.duty_cycle`` of its wall time: after work that began at
-        ``started`` (monotonic) and took t seconds, wait t*(1-d)/d (less if ``stop`` is set). Returns
-        the pause."""
-        duty = self.cfg.online.duty_cycle
-        if duty >= 1:
-            return 0.0
-        pause = (time.monotonic() - started) * (1 - duty) / duty
+    def rest(self, stop: threading.Event, started: float, check_s: float = 1.0) -> float:
+        """Keep the trainer's compute to its duty cycle d of its wall time: after work that began at
+        ``started`` (monotonic) and took t seconds, wait until t*(1-d)/d has passed, d being
+        ``online.duty_cycle`` while the engines serve and ``online.idle_duty_cycle`` while ``load``
+        says they are idle, looked at again every ``check_s`` (so a rest ends early when the engines
+        turn idle). A set ``stop`` ends it, and so does a duty cycle of 0 (``may_step`` holds the next
+        step then, while the loop goes on tailing the buffer). Returns the pause."""
+        work = time.monotonic() - started
+        rested = 0.0
+        while not stop.is_set():
+            idle = self.load.idle()
+            duty = self.cfg.online.idle_duty_cycle if idle else self.cfg.online.duty_cycle
+            if duty == 0 or work * (1 - duty) / duty - rested <= 0:
+                break
+            left = work * (1 - duty) / duty - rested
+            begun = time.monotonic()
+            stop.wait(min(left, check_s))
+            rested += time.monotonic() - begun
         with self._lock:
-            self._stats["rest_seconds"] += pause
-        stop.wait(pause)
-        return pause
+            self._stats["rest_seconds"] += rested
+        return rested
+
+    def may_step(self) -> bool:
+        """False while ``online.duty_cycle`` is 0 and the engines serve (status "waiting_for_idle_engines",
+        unless it is "error"): such a trainer trains only while they are idle."""
+        allowed = self.cfg.online.duty_cycle > 0 or self.load.idle()
+        with self._lock:
+            if not allowed and self._stats["status"] != "error":
+                self._stats["status"] = "waiting_for_idle_engines"
+            elif allowed and self._stats["status"] == "waiting_for_idle_engines":
+                self._stats["status"] = "waiting_for_data"  # until the next step says "training"
+        return allowed
+
+    def note_engine_load(self, source: str, busy: bool | None) -> None:
+        """A serving replica's load (``EngineLoad.report``), as its trainer process read it."""
+        self.load.report(source, busy)
 
     def note_waiting(self) -> None:
         """Status "waiting_for_data" after a loop iteration without a step (an error status stays)."""
@@ -474,7 +547,7 @@ class OnlineTrainer:
         with self._lock:
             out = dict(self._stats)
         out.update(train_pool=len(self.window), fresh_records=len(self.fresh),
-                   held_out_pool=len(self.held_out))
+                   held_out_pool=len(self.held_out), engines_idle=self.load.idle())
         return out
 
     def _load_drafter(self, path: Path):

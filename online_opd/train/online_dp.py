@@ -182,7 +182,7 @@ def run_main(trainer: OnlineTrainer, stop: threading.Event) -> dict[str, Any]:
                         trainer.poll()
                         last_poll = time.monotonic()
                     start = time.perf_counter()
-                    records = trainer.next_records()
+                    records = trainer.next_records() if trainer.may_step() else None  # the status says which
                 except Exception as exc:
                     trainer.record_error("step", exc)
             send_control(trainer, is_stop, records, reload)
@@ -190,7 +190,8 @@ def run_main(trainer: OnlineTrainer, stop: threading.Event) -> dict[str, Any]:
             if is_stop:
                 break
             if records is None:
-                trainer.note_waiting()
+                if trainer.stats()["status"] != "waiting_for_idle_engines":
+                    trainer.note_waiting()
                 stop.wait(ocfg.poll_s)
                 continue
             try:
