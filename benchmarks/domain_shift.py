@@ -88,7 +88,7 @@ def run_arm(name: str, objective: str, args, bootstrap_dir: Path, out: Path) -> 
     overrides = [f"trainer.objective={objective}", f"trainer.lr={args.lr}", "trainer.warmup_ratio=0.0",
                  f"trainer.sequences_per_step={args.sequences_per_step}",
                  f"trainer.anchors_per_sequence={args.anchors}", f"online.max_steps={args.steps}",
-                 "online.min_records=4", "online.checkpoint_every=1000",
+                 "online.min_records=4", "online.checkpoint_every=1000", "online.duty_cycle=1",
                  f"gate.every_steps={args.gate_every}", "gate.min_records=6", "gate.held_out_fraction=0.15",
                  "gate.max_records=32", "gate.max_blocks_per_record=32", "serve.live_check_drafts=300",
                  "serve.stats_poll_s=2", "serve.reload_poll_s=2", f"bootstrap.output_dir={bootstrap_dir}"]
