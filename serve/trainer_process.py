@@ -105,7 +105,7 @@ class ServerLoad:
         try:
             reply = httpx.get(f"{self.url.rstrip('/')}/metrics", timeout=self.timeout)
             reply.raise_for_status()
-            # only the three series are parsed: the whole exposition (histograms) costs far more each read
+            # only the three series are parsed, not the whole exposition (vLLM's histograms) every read
             wanted = (*self.QUEUES, self.TOKENS, "# TYPE vllm:num_requests_", "# TYPE vllm:generation_tokens")
             metrics = parse_metrics("\n".join(line for line in reply.text.splitlines() if line.startswith(wanted)))
         except Exception as exc:  # starting, restarting, too slow: the trainer treats it as serving
