@@ -33,7 +33,8 @@ import torch
 from online_opd.config import OnlineOPDConfig, TrainerConfig
 from online_opd.train import distributed as dp
 from online_opd.train import online_dp
-from online_opd.train.online import EngineLoad, OnlineTrainer
+from online_opd.train.load import EngineLoad
+from online_opd.train.online import OnlineTrainer
 from serve.trainer_dp import fit, scaling_config
 
 logger = logging.getLogger(__name__)

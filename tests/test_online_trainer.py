@@ -21,7 +21,7 @@ from online_opd.release.registry import DrafterRegistry
 from online_opd.traces.buffer import SegmentWriter
 from online_opd.traces.records import BlockRecord, SequenceRecord
 from online_opd.train.loop import train
-from online_opd.train.online import EngineLoad, OnlineTrainer
+from online_opd.train.online import OnlineTrainer
 from online_opd.train.sequences import TrainSequence, compute_aux_hidden
 from online_opd.train.sft import sample_anchors, sft_loss
 from tests.tiny import tiny_drafter, tiny_target
@@ -140,29 +140,6 @@ def test_a_duty_cycle_rests_three_times_its_work_at_a_quarter(world, tmp_path):
     back_to_back = OnlineTrainer(_config(), **_setup(world, tmp_path / "b"))
     assert back_to_back.rest(threading.Event(), time.monotonic() - 1.0) == 0.0
     assert back_to_back.stats()["rest_seconds"] == 0.0
-
-
-def test_engine_load_is_idle_only_after_every_fresh_source_stayed_idle():
-    """`EngineLoad` by hand: idle once each reporting source's last busy (or unknown, or first) report
-    lies `idle_after_s` back; no source, or only stale ones, is not idle."""
-    load = EngineLoad(idle_after_s=10.0, stale_s=30.0)
-    assert not load.idle(at=100.0)  # nobody reported: as if serving
-    load.report("a", False, at=100.0)
-    assert not load.idle(at=105.0) and load.idle(at=110.0)  # idle from its first report on
-    load.report("a", True, at=111.0)
-    load.report("a", False, at=113.0)
-    assert not load.idle(at=120.0) and load.idle(at=121.0)  # 10 s after the last busy report
-    load.report("a", None, at=122.0)  # unreadable: counts as busy
-    assert not load.idle(at=140.0)  # until a report says idle
-    load.report("a", False, at=141.0)
-    assert load.idle(at=141.0)  # its last busy (unknown) report lies 19 s back
-    load.report("b", False, at=145.0)
-    assert not load.idle(at=154.0) and load.idle(at=155.0)  # both sources must be idle
-    load.report("b", True, at=156.0)
-    assert not load.idle(at=160.0)
-    assert not load.idle(at=187.0)  # a (141) and b (156) silent for over 30 s: nobody left
-    load.report("a", False, at=190.0)
-    assert not load.idle(at=191.0) and load.idle(at=200.0)  # a is back; b no longer counts
 
 
 def test_rest_follows_the_engine_load(world, tmp_path):

@@ -190,8 +190,7 @@ def run_main(trainer: OnlineTrainer, stop: threading.Event) -> dict[str, Any]:
             if is_stop:
                 break
             if records is None:
-                if trainer.stats()["status"] != "waiting_for_idle_engines":
-                    trainer.note_waiting()
+                trainer.note_waiting()
                 stop.wait(ocfg.poll_s)
                 continue
             try:
