@@ -39,6 +39,14 @@ assert sys.stdin.readline().strip() == "stop"
 """
 
 
+def _is_gone(pid: int) -> bool:
+    """Dead, or a zombie not yet reaped (it may vanish between two looks: that is gone too)."""
+    try:
+        return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return True
+
+
 def wait_for(condition, timeout: float = 20.0) -> None:
     deadline = time.monotonic() + timeout
     while not condition():
@@ -54,16 +62,16 @@ def test_restarts_are_counted_and_stop_reaches_the_child(tmp_path, caplog):
     assert trainer.stats() == {"up": False, "restarts": {"actor": 0, "ray": 0}}  # not started yet
     with caplog.at_level(logging.WARNING, logger="online_opd.trainer_process"):
         trainer.start()
-        wait_for(lambda: trainer.stats().get("pid") == 21)
+        # the reader thread notes a line, then writes the file: wait for both, not only the first
+        wait_for(lambda: trainer.stats().get("pid") == 21
+                 and (read_trainer_stats_file(stats_file) or {}).get("pid") == 21)
         stats = trainer.stats()
         assert stats["up"] and stats["steps"] == 5
         assert stats["restarts"] == {"actor": 1, "ray": 1}
         # what API servers in processes of their own read (vllm_patches/endpoint.py)
         assert read_trainer_stats_file(stats_file) == stats
         assert read_trainer_stats_file(stats_file, stale_s=-1.0) == {"up": False, "restarts": stats["restarts"]}
-        orphan = psutil.Process(int((tmp_path / "orphan").read_text())) if psutil.pid_exists(
-            int((tmp_path / "orphan").read_text())) else None
-        assert orphan is None or orphan.status() == psutil.STATUS_ZOMBIE  # killed with run 1's group
+        assert _is_gone(int((tmp_path / "orphan").read_text()))  # killed with run 1's group
         final = trainer.stop(timeout=10)
     assert final["pid"] == 21
     assert (tmp_path / "stopped").read_text() == "yes"
