@@ -8,7 +8,8 @@ with extra environment entries, under the same closed-loop traffic for
 `--minutes`. The variants test ways to give the trainer its share:
 
 - `default`: the config's settings (configs/default.yaml: the trainer's process and its Ray on SCHED_IDLE,
-  training a quarter of the time, `online.duty_cycle: 0.25`);
+  no step while the engine serves, `online.duty_cycle: 0`, and Ray and the actor stopped after 30 s of
+  serving, `online.hibernate_after_s: 30`);
 - `normal_priority`: `online.cpu_priority=normal`, the trainer competes with the engine;
 - `trainer_off`: `online.enabled=false`, what serving does without a trainer;
 - other variants with `--variant NAME=KEY=VALUE,KEY=VALUE` (a KEY with a dot is a config override,

@@ -231,6 +231,13 @@ class OnlineConfig(StrictModel):
         10.0, ge=0,
         description="Seconds of no load before the engines count as idle (idle_duty_cycle): longer than the "
                     "gaps between requests of a steady client, so that those do not start a step.")
+    hibernate_after_s: float | None = Field(
+        None, ge=0,
+        description="With duty_cycle 0 and a local Ray: the trainer process starts Ray and the trainer actor "
+                    "only once the engines have been idle for idle_after_s, and stops them (state saved) once "
+                    "the engines have served for this many seconds, so that under traffic nothing of the "
+                    "trainer runs but its process's load reads; null = Ray and the actor run throughout. "
+                    "Ignored (they run throughout) with duty_cycle > 0 or a Ray cluster (ray_address).")
     max_steps: int | None = Field(
         None, ge=1, description="Stop after this many steps; null = run until stopped.")
     state_dir: Path | None = Field(

@@ -63,6 +63,8 @@ STALE_S = 20.0  # no line for this long: the trainer counts as down
 #: writes a line every POLL_S once started; starting (imports, a local Ray) takes seconds to a minute.
 HANG_S = 120.0
 EXIT_ACTOR_GONE = 3  # the child's exit code when the actor is dead for good
+HIBERNATING = "hibernating"  # the status in the child's lines while Ray and the actor are stopped
+HIBERNATE = -1  # ``_report``'s answer once the engines served for online.hibernate_after_s (no exit code)
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -116,6 +118,42 @@ class ServerLoad:
         tokens, self._tokens = self._tokens, metrics[self.TOKENS]
         is_busy = sum(metrics[k] for k in self.QUEUES) > 0 or (tokens is not None and tokens != self._tokens)
         return "busy" if is_busy else "idle"
+
+
+class Hibernation:
+    """When the child runs Ray and the trainer actor, with ``online.hibernate_after_s``: from the moment
+    the engines have been idle for ``idle_after_s`` until they have served for ``hibernate_after_s``
+    ("unknown" load counts as serving, as in ``EngineLoad``). ``note`` each load read."""
+
+    def __init__(self, idle_after_s: float, hibernate_after_s: float, clock=time.monotonic) -> None:
+        self.idle_after_s = idle_after_s
+        self.hibernate_after_s = hibernate_after_s
+        self.clock = clock
+        self._is_idle = False
+        self._since: float | None = None  # when the load last changed between idle and serving
+
+    @classmethod
+    def of(cls, online: OnlineConfig, has_load: bool) -> Hibernation | None:
+        """The configured hibernation, or None where it does not apply (the field's description)."""
+        if online.hibernate_after_s is None:
+            return None
+        if online.duty_cycle > 0 or online.ray_address is not None or not has_load:
+            logger.info("online.hibernate_after_s ignored: it needs duty_cycle 0, a local Ray and the server's "
+                        "/metrics (duty_cycle %g, ray_address %s, load %s)", online.duty_cycle,
+                        online.ray_address, "read" if has_load else "not read")
+            return None
+        return cls(online.idle_after_s, online.hibernate_after_s)
+
+    def note(self, state: str) -> None:
+        is_idle = state == "idle"
+        if self._since is None or is_idle != self._is_idle:
+            self._is_idle, self._since = is_idle, self.clock()
+
+    def may_wake(self) -> bool:
+        return self._since is not None and self._is_idle and self.clock() - self._since >= self.idle_after_s
+
+    def should_sleep(self) -> bool:
+        return self._since is not None and not self._is_idle and self.clock() - self._since >= self.hibernate_after_s
 
 
 class TrainerProcess:
@@ -252,6 +290,8 @@ class TrainerProcess:
             self._line_at = self._latest_at
             pid = None if stats is None else stats.get("pid")
             if pid is None:
+                if stats is not None and stats.get("status") == HIBERNATING:
+                    self._pid = None  # the actor was ended on purpose: the next one is no restart
                 return
             previous, self._pid = self._pid, pid
             if previous is None or previous == pid:
@@ -385,38 +425,81 @@ def main() -> int:
     replica = (spec.replica or default_writer_id(os.getppid())) if cfg.online.ray_address is not None else None
     stop = threading.Event()
     threading.Thread(target=_watch_stdin, args=(stop,), daemon=True).start()
-    handle = start_trainer(cfg, target_path=Path(spec.target_path), buffer_dir=spec.buffer_dir,
-                           registry_dir=Path(spec.registry_dir), state_dir=Path(spec.state_dir), replica=replica)
-    with stop_on_signals(stop=stop):  # after ray.init, which installs handlers of its own
-        code = _report(handle, stop, protocol, replica, ServerLoad(spec.server_url) if spec.server_url else None)
-        final = stop_trainer(handle, replica=replica) if code == 0 else None
-    if final:
-        logger.info("online trainer stopped after %s steps", final.get("steps"))
-    import ray
+    load = ServerLoad(spec.server_url) if spec.server_url else None
+    hibernation = Hibernation.of(cfg.online, has_load=load is not None)
+    code, last = 0, None
+    while not stop.is_set():
+        if hibernation is not None:
+            with stop_on_signals(stop=stop):
+                if not _hibernate(load, hibernation, stop, protocol, last):
+                    break
+            logger.info("engines idle for %gs: starting Ray and the online trainer", hibernation.idle_after_s)
+        handle = start_trainer(cfg, target_path=Path(spec.target_path), buffer_dir=spec.buffer_dir,
+                               registry_dir=Path(spec.registry_dir), state_dir=Path(spec.state_dir),
+                               replica=replica)
+        with stop_on_signals(stop=stop):  # after ray.init, which installs handlers of its own
+            code, last = _report(handle, stop, protocol, replica, load, hibernation)
+            final = stop_trainer(handle, replica=replica) if code in (0, HIBERNATE) else None
+        if final:
+            last = final
+            logger.info("online trainer stopped after %s steps", final.get("steps"))
+        import ray
 
-    ray.shutdown()
-    return code
+        ray.shutdown()
+        if code != HIBERNATE:
+            return code
+        logger.info("engines served for %gs: online trainer stopped (state saved) and Ray shut down until "
+                    "they are idle again (online.hibernate_after_s)", hibernation.hibernate_after_s)
+    return 0
+
+
+def _write(protocol: IO[str], stats: dict | None, stop: threading.Event) -> None:
+    try:
+        protocol.write(json.dumps(stats) + "\n")
+    except BrokenPipeError:  # the server is gone: stdin closes too
+        stop.set()
+
+
+def _hibernate(load: ServerLoad, hibernation: Hibernation, stop: threading.Event, protocol: IO[str],
+               last: dict | None) -> bool:
+    """Without Ray or the actor, until the engines have been idle for ``idle_after_s``: read the load every
+    ``LOAD_POLL_S`` and write a line every ``POLL_S`` (the last actor's figures, status ``hibernating``, no
+    pid), so the server's /metrics keep them. False when stopped meanwhile."""
+    line = {**(last or {}), "status": HIBERNATING, "pid": None, "running": False, "engines_idle": 0}
+    next_read = 0.0
+    while True:
+        if time.monotonic() >= next_read:
+            next_read = time.monotonic() + LOAD_POLL_S
+            hibernation.note(load.read())
+        if hibernation.may_wake():
+            return True
+        _write(protocol, line, stop)
+        if stop.wait(POLL_S):
+            return False
 
 
 def _report(handle, stop: threading.Event, protocol: IO[str], replica: str | None,
-            load: ServerLoad | None = None) -> int:
+            load: ServerLoad | None = None, hibernation: Hibernation | None = None) -> tuple[int, dict | None]:
     """Write the actor's stats every ``POLL_S`` until ``stop``, passing the engine's load every
-    ``LOAD_POLL_S`` when `load` reads it; the exit code for ``main``."""
-    next_read = 0.0
+    ``LOAD_POLL_S`` when `load` reads it; (the exit code for ``main``, or ``HIBERNATE`` once
+    `hibernation` says so; the actor's last stats)."""
+    next_read, last = 0.0, None
     while not stop.wait(POLL_S):
         state = None
         if load is not None and time.monotonic() >= next_read:
             next_read = time.monotonic() + LOAD_POLL_S
             state = load.read()
+            if hibernation is not None:
+                hibernation.note(state)
         stats, is_gone = _poll(handle, replica, state)
         if is_gone:
             logger.error("online trainer actor is dead and Ray will not restart it (online.max_restarts)")
-            return EXIT_ACTOR_GONE
-        try:
-            protocol.write(json.dumps(stats) + "\n")
-        except BrokenPipeError:  # the server is gone: stdin closes too
-            stop.set()
-    return 0
+            return EXIT_ACTOR_GONE, last
+        last = stats or last
+        _write(protocol, stats, stop)
+        if hibernation is not None and hibernation.should_sleep():
+            return HIBERNATE, last
+    return 0, last
 
 
 if __name__ == "__main__":

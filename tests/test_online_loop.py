@@ -128,3 +128,75 @@ def test_live_check_rolls_back_a_worse_drafter(trained_run, tmp_path):
     assert metrics["online_opd_reloads_total{result=ok}"] >= 2  # to the bad version and back
     assert metrics['online_opd_drafter_info{version=v0001}'] == 1.0
     assert all(s["requests_failed"] == 0 for s in summaries), summaries
+
+
+def _ray_heads(server: ServerProcess) -> list[int]:
+    """Pids of the Ray heads (gcs_server) the server's trainer process started."""
+    import psutil
+
+    heads = []
+    for proc in psutil.Process(server.proc.pid).children(recursive=True):
+        try:
+            if proc.name() == "gcs_server":
+                heads.append(proc.pid)
+        except psutil.NoSuchProcess:
+            continue
+    return heads
+
+
+def _until(condition, timeout: float, what: str, server: ServerProcess) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, f"{what}: not within {timeout}s\n{server.tail(6000)}"
+        time.sleep(1)
+
+
+def test_a_hibernating_trainer_runs_ray_only_around_the_engine_s_idle_time(tmp_path):
+    """`online.hibernate_after_s` with duty 0: Ray and the trainer actor start once the real engine has been
+    idle for idle_after_s, stop (state saved) after it has served for hibernate_after_s, and start again,
+    resuming from the saved state, when it is idle again; /metrics keeps the trainer's figures meanwhile."""
+    server = ServerProcess(tmp_path / "serve", CONFIG, "-o", f"bootstrap.output_dir={tmp_path / 'none'}",
+                           "-o", "online.duty_cycle=0", "-o", "online.hibernate_after_s=4",
+                           "-o", "online.idle_after_s=2", token=TOKEN)
+    stop = threading.Event()
+    summaries: list[dict] = []
+
+    def traffic() -> None:
+        while not stop.is_set():
+            summaries.append(run_load(LoadConfig(
+                base_url=f"{server.url}/v1", prompts="sharegpt", num_prompts=6, num_requests=4,
+                concurrency=2, max_tokens=32, temperature=0.0, progress=False)))
+
+    sender = threading.Thread(target=traffic)
+    try:
+        server.wait_ready()
+        # no traffic yet: the engine reads idle, so Ray comes up (the buffer is empty: nothing to train on)
+        _until(lambda: _ray_heads(server), 120, "Ray started while the engine is idle", server)
+        sender.start()
+        # under traffic the trainer stops its actor and Ray after hibernate_after_s, then reports hibernating
+        _until(lambda: not _ray_heads(server) and summaries and server.metrics().get("online_opd_trainer_up"),
+               180, "Ray stopped under traffic", server)
+        hibernating = server.metrics()
+        time.sleep(10)  # Ray stays down while the traffic goes on
+        assert not _ray_heads(server), server.tail(6000)
+        stop.set()
+        sender.join(300)
+        # idle again: Ray and the actor come back, resume from the saved state and train on the records
+        _until(lambda: _ray_heads(server), 120, "Ray started again once idle", server)
+        _until(lambda: server.metrics().get("online_opd_trainer_steps_total", 0) >= 1, 300,
+               "a training step after the restart", server)
+        trained = server.metrics()
+    finally:
+        stop.set()
+        if sender.is_alive():
+            sender.join(300)
+        code = server.stop()
+    log = server.tail(40000)
+    assert code in (0, -15), log
+    assert all(s["requests_failed"] == 0 for s in summaries), summaries
+    assert hibernating["online_opd_trainer_engines_idle"] == 0.0, hibernating
+    assert hibernating.get("online_opd_trainer_restarts_total{level=actor}", 0) == 0  # on purpose: no restart
+    assert trained.get("online_opd_trainer_restarts_total{level=actor}", 0) == 0
+    assert trained.get("online_opd_trainer_restarts_total{level=ray}", 0) == 0
+    assert trained["online_opd_trainer_records_seen_total"] > 0, log
+    assert "online trainer stopped (state saved) and Ray shut down" in log, log

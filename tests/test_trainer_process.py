@@ -13,7 +13,8 @@ import time
 import psutil
 import pytest
 
-from serve.trainer_process import ServerLoad, TrainerProcess, TrainerSpec
+from online_opd.config_serving import OnlineConfig
+from serve.trainer_process import HIBERNATING, Hibernation, ServerLoad, TrainerProcess, TrainerSpec
 from vllm_patches.endpoint import read_trainer_stats_file
 
 # Run 1 starts a process that outlives it, reports actor pid 11, then 12 (Ray restarted the actor), then
@@ -190,3 +191,48 @@ def test_an_unreachable_server_reads_as_unknown_load():
     """No server behind the URL (starting, gone): "unknown", which the trainer counts as serving
     (the "busy" and "idle" readings of a real server: tests/test_online_loop.py)."""
     assert ServerLoad("http://127.0.0.1:9", timeout=1.0).read() == "unknown"
+
+
+def test_hibernation_wakes_after_idle_after_s_and_sleeps_after_hibernate_after_s_of_serving():
+    now = [0.0]
+    hib = Hibernation(idle_after_s=10.0, hibernate_after_s=60.0, clock=lambda: now[0])
+    assert not hib.may_wake() and not hib.should_sleep()  # nothing read yet
+    for state in ("unknown", "busy", "idle"):
+        hib.note(state)
+        now[0] += 2.0
+    assert not hib.may_wake()  # idle for 2 s only
+    now[0] += 8.0
+    hib.note("idle")  # a further idle read keeps the idle period's start
+    assert hib.may_wake() and not hib.should_sleep()
+    hib.note("busy")
+    now[0] += 59.0
+    hib.note("unknown")  # unknown counts as serving: the period goes on
+    assert not hib.should_sleep() and not hib.may_wake()
+    now[0] += 1.0
+    assert hib.should_sleep()
+    hib.note("idle")  # one idle read ends the serving period, but wakes nothing yet
+    assert not hib.should_sleep() and not hib.may_wake()
+
+
+def test_hibernation_applies_only_to_a_local_trainer_with_duty_zero_that_reads_the_load():
+    def online(**kw):
+        return OnlineConfig.model_validate({"duty_cycle": 0, "hibernate_after_s": 30, **kw})
+
+    assert Hibernation.of(online(), has_load=True).hibernate_after_s == 30
+    assert Hibernation.of(online(hibernate_after_s=None), has_load=True) is None
+    assert Hibernation.of(online(duty_cycle=0.1), has_load=True) is None
+    assert Hibernation.of(online(ray_address="auto"), has_load=True) is None
+    assert Hibernation.of(online(), has_load=False) is None
+    with pytest.raises(ValueError, match="hibernate_after_s"):
+        online(hibernate_after_s=-1)
+
+
+def test_a_hibernating_child_keeps_its_figures_up_and_its_next_actor_is_no_restart(tmp_path):
+    spec = TrainerSpec(config={}, target_path="t", buffer_dir="b", registry_dir="r", state_dir=str(tmp_path))
+    trainer = TrainerProcess(spec)
+    trainer._observe({"pid": 7, "steps": 4})
+    trainer._observe({"pid": None, "steps": 4, "status": HIBERNATING})  # Ray and the actor stopped on purpose
+    assert trainer.stats()["up"] and trainer.stats()["steps"] == 4
+    trainer._observe({"pid": 8, "steps": 4})  # the next actor, once the engine is idle again
+    trainer._observe({"pid": 9, "steps": 5})  # Ray restarted that one: a restart
+    assert trainer.stats()["restarts"] == {"actor": 1, "ray": 0}
