@@ -32,6 +32,12 @@ Engine load. With ``server_url`` in its spec the child reads the server's /metri
 ``LOAD_POLL_S`` (``ServerLoad``) and passes the load ("busy", "idle" or "unknown") with its next
 stats poll, so the trainer rests by ``online.idle_duty_cycle`` while the engine has no traffic
 (``OnlineTrainer.rest``).
+
+Hibernation. With ``online.hibernate_after_s``, ``duty_cycle`` 0 and a local Ray (``Hibernation.of``),
+the child runs Ray and the actor only around the engine's idle time: it starts them once the load has
+read idle for ``idle_after_s`` and stops them (the actor saves its state) and Ray once the load has read
+serving for ``hibernate_after_s``. Between, it writes the last figures every ``POLL_S`` with status
+``hibernating`` and no pid: /metrics keeps them, and the supervisor counts the next actor as no restart.
 """
 
 from __future__ import annotations
@@ -40,6 +46,7 @@ import faulthandler
 import json
 import logging
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -64,6 +71,7 @@ STALE_S = 20.0  # no line for this long: the trainer counts as down
 HANG_S = 120.0
 EXIT_ACTOR_GONE = 3  # the child's exit code when the actor is dead for good
 HIBERNATING = "hibernating"  # the status in the child's lines while Ray and the actor are stopped
+SESSIONS_KEPT = 2  # Ray session folders kept across hibernation cycles (prune_sessions)
 HIBERNATE = -1  # ``_report``'s answer once the engines served for online.hibernate_after_s (no exit code)
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -427,7 +435,7 @@ def main() -> int:
     threading.Thread(target=_watch_stdin, args=(stop,), daemon=True).start()
     load = ServerLoad(spec.server_url) if spec.server_url else None
     hibernation = Hibernation.of(cfg.online, has_load=load is not None)
-    code, last = 0, None
+    code, last, sessions = 0, None, []
     while not stop.is_set():
         if hibernation is not None:
             with stop_on_signals(stop=stop):
@@ -437,6 +445,7 @@ def main() -> int:
         handle = start_trainer(cfg, target_path=Path(spec.target_path), buffer_dir=spec.buffer_dir,
                                registry_dir=Path(spec.registry_dir), state_dir=Path(spec.state_dir),
                                replica=replica)
+        sessions.append(_ray_session_dir())
         with stop_on_signals(stop=stop):  # after ray.init, which installs handlers of its own
             code, last = _report(handle, stop, protocol, replica, load, hibernation)
             final = stop_trainer(handle, replica=replica) if code in (0, HIBERNATE) else None
@@ -448,9 +457,31 @@ def main() -> int:
         ray.shutdown()
         if code != HIBERNATE:
             return code
+        prune_sessions(sessions)
         logger.info("engines served for %gs: online trainer stopped (state saved) and Ray shut down until "
                     "they are idle again (online.hibernate_after_s)", hibernation.hibernate_after_s)
     return 0
+
+
+def _ray_session_dir() -> Path | None:
+    """The local Ray's session folder (its logs), for ``prune_sessions``; None when unknown."""
+    try:
+        from ray._private.worker import global_worker
+
+        return Path(global_worker.node.get_session_dir_path())
+    except Exception as exc:  # a private API: a Ray that moved it leaves the folders be
+        logger.debug("Ray's session folder is unknown: %r", exc)
+        return None
+
+
+def prune_sessions(sessions: list[Path | None], keep: int = SESSIONS_KEPT) -> None:
+    """Remove the folders of all but the newest `keep` Ray sessions of the list, which shrinks to those:
+    every wake from hibernation starts a session (about 0.5 MB of logs here, the actor's own lines are in
+    the server's log), and a server hibernating every few minutes would fill the disk with them."""
+    while len(sessions) > keep:
+        old = sessions.pop(0)
+        if old is not None:
+            shutil.rmtree(old, ignore_errors=True)
 
 
 def _write(protocol: IO[str], stats: dict | None, stop: threading.Event) -> None:

@@ -236,3 +236,42 @@ def test_a_hibernating_child_keeps_its_figures_up_and_its_next_actor_is_no_resta
     trainer._observe({"pid": 8, "steps": 4})  # the next actor, once the engine is idle again
     trainer._observe({"pid": 9, "steps": 5})  # Ray restarted that one: a restart
     assert trainer.stats()["restarts"] == {"actor": 1, "ray": 0}
+
+
+def test_the_real_child_hibernates_while_the_load_reads_as_serving_and_stops_at_once(tmp_path):
+    """`python -m serve.trainer_process` with duty 0 and hibernation, its server unreachable (unknown load,
+    counted as serving): it starts no Ray, reports "hibernating" every second, and a stop ends it at once."""
+    import psutil
+
+    config = {"online": {"duty_cycle": 0, "hibernate_after_s": 5, "idle_after_s": 1}}
+    spec = TrainerSpec(config=config, target_path="t", buffer_dir="b", registry_dir="r", state_dir=str(tmp_path),
+                       server_url="http://127.0.0.1:9")
+    trainer = TrainerProcess(spec)
+    trainer.start()
+    try:
+        wait_for(lambda: trainer.stats().get("status") == HIBERNATING, timeout=60)
+        time.sleep(3)
+        stats = trainer.stats()
+        children = psutil.Process(trainer._proc.pid).children(recursive=True)
+    finally:
+        started = time.monotonic()
+        final = trainer.stop(timeout=30)
+    assert stats["up"] and stats["engines_idle"] == 0 and stats["pid"] is None, stats
+    assert children == [], [c.name() for c in children]  # no Ray, no actor
+    assert final["status"] == HIBERNATING
+    assert trainer._proc.returncode == 0 and time.monotonic() - started < 10
+
+
+def test_only_the_newest_ray_sessions_of_hibernation_cycles_are_kept(tmp_path):
+    from serve.trainer_process import prune_sessions
+
+    folders = []
+    for i in range(4):
+        (tmp_path / f"session_{i}" / "logs").mkdir(parents=True)
+        folders.append(tmp_path / f"session_{i}")
+    sessions = [folders[0], None, folders[1], folders[2], folders[3]]  # None: a session whose folder was unknown
+    prune_sessions(sessions, keep=2)
+    assert sessions == folders[2:]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["session_2", "session_3"]
+    prune_sessions(sessions, keep=2)  # nothing more to remove
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["session_2", "session_3"]
