@@ -20,22 +20,24 @@ pytestmark = pytest.mark.slow
 CONFIG = ROOT / "configs" / "test-online.yaml"
 
 
+def _traffic(server: ServerProcess, stop: threading.Event, summaries: list[dict], num_requests: int,
+             concurrency: int, max_tokens: int) -> None:
+    """Greedy ShareGPT traffic in rounds of `num_requests` until `stop`; each round's summary appended."""
+    while not stop.is_set():
+        summaries.append(run_load(LoadConfig(
+            base_url=f"{server.url}/v1", prompts="sharegpt", num_prompts=6, num_requests=num_requests,
+            concurrency=concurrency, max_tokens=max_tokens, temperature=0.0, progress=False)))
+
+
 def test_serve_train_gate_publish_reload(tmp_path):
     # no bootstrap output at this path: the server publishes a fresh drafter as v0001
     server = ServerProcess(tmp_path / "serve", CONFIG, "-o", f"bootstrap.output_dir={tmp_path / 'none'}",
                            token=TOKEN)
     stop = threading.Event()
     summaries: list[dict] = []
-
-    def traffic() -> None:
-        while not stop.is_set():
-            summaries.append(run_load(LoadConfig(
-                base_url=f"{server.url}/v1", prompts="sharegpt", num_prompts=6, num_requests=12,
-                concurrency=4, max_tokens=48, temperature=0.0, progress=False)))
-
     try:
         server.wait_ready()
-        sender = threading.Thread(target=traffic)
+        sender = threading.Thread(target=_traffic, args=(server, stop, summaries, 12, 4, 48))
         sender.start()
         registry = DrafterRegistry(server.run_dir / "registry")
         deadline = time.monotonic() + 900
@@ -160,14 +162,7 @@ def test_a_hibernating_trainer_runs_ray_only_around_the_engine_s_idle_time(tmp_p
                            "-o", "online.idle_after_s=2", token=TOKEN)
     stop = threading.Event()
     summaries: list[dict] = []
-
-    def traffic() -> None:
-        while not stop.is_set():
-            summaries.append(run_load(LoadConfig(
-                base_url=f"{server.url}/v1", prompts="sharegpt", num_prompts=6, num_requests=4,
-                concurrency=2, max_tokens=32, temperature=0.0, progress=False)))
-
-    sender = threading.Thread(target=traffic)
+    sender = threading.Thread(target=_traffic, args=(server, stop, summaries, 4, 2, 32))
     try:
         server.wait_ready()
         # no traffic yet: the engine reads idle, so Ray comes up (the buffer is empty: nothing to train on)
