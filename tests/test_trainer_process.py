@@ -14,7 +14,8 @@ import psutil
 import pytest
 
 from online_opd.config_serving import OnlineConfig
-from serve.trainer_process import HIBERNATING, Hibernation, ServerLoad, TrainerProcess, TrainerSpec
+from serve.engine_load import HIBERNATING, Hibernation, ServerLoad
+from serve.trainer_process import TrainerProcess, TrainerSpec
 from vllm_patches.endpoint import read_trainer_stats_file
 
 # Run 1 starts a process that outlives it, reports actor pid 11, then 12 (Ray restarted the actor), then

@@ -1,7 +1,7 @@
 """Whether the serving engines are idle, from their load reports (the online trainer's duty cycle).
 
 Each serving replica's trainer process reads its server's /metrics and reports the engine's load
-(serve/trainer_process.py ``ServerLoad``); ``OnlineTrainer.rest`` and ``may_step`` (online.py) ask
+(serve/engine_load.py ``ServerLoad``); ``OnlineTrainer.rest`` and ``may_step`` (online.py) ask
 ``EngineLoad.idle``. Pure Python: no torch, ray or vllm.
 """
 
