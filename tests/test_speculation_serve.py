@@ -6,8 +6,9 @@ outputs stay the target's. A hot reload then brings the memorising drafter
 (tests/serving.py): the policy learns its acceptance from exploration bursts
 and speculates at batch size 1; outputs stay the target's, and every block
 vLLM drafted, many of them right after stretches of K = 0 steps, equals the
-torch drafter's greedy block at its anchor (the drafter's context K/V were kept
-during the K = 0 steps).
+torch drafter's greedy block at its anchor (the drafter's context K/V of the
+K = 0 steps were kept, deferred and flushed in batches before each drafting
+step and each finished request: vllm_patches/dflash_context.py).
 """
 
 from __future__ import annotations
@@ -79,6 +80,10 @@ def test_random_drafter_serves_without_speculation(server, rollouts):
     assert after["online_opd_spec_exploration_share"] <= 0.05 + 1e-9
     assert after["online_opd_spec_steps_total{kind=timed}"] > 0
     assert "speculation auto: starting schedule [(1, 2, 0)]" in server.tail(1_000_000)
+    # the K = 0 steps' context K/V were deferred and computed in batched flushes (dflash_context.py)
+    deferred = server.admin("GET", "/status").json()["deferred_context"]
+    assert deferred["deferred_steps"] > 0.5 * tokens / 6 and deferred["flushes"] > 0, deferred
+    assert deferred["flushed_tokens"] > 0 and deferred["pending_tokens"] < 256, deferred
 
 
 def test_memorising_drafter_turns_speculation_on_at_batch_size_one(server, rollouts, trained_run):

@@ -343,18 +343,82 @@ def test_context_slots_equal_vllms_dflash_input_kernel():
         assert context_slots(positions, query_start_loc, block_table, block_size).tolist() == ctx_slot.tolist()
 
 
-def test_store_context_only_feeds_the_context_kv_pass():
+class _ContextModel:
+    """A DFlash stand-in with the two calls the K = 0 path makes: a real linear combine and a cache
+    written at the slots (K/V per token: a function of its combined state and its position)."""
+
+    def __init__(self, width: int = 6, num_slots: int = 64):
+        gen = torch.Generator().manual_seed(0)
+        self.fc = torch.randn(width, 3, generator=gen)
+        self.cache = torch.zeros(num_slots, 3)
+        self.calls: list[int] = []
+
+    def combine_hidden_states(self, hidden):
+        return hidden @ self.fc
+
+    def precompute_and_store_context_kv(self, states, positions, slots):
+        self.calls.append(int(positions.numel()))
+        self.cache[slots] = states * (1 + positions[:, None].to(states.dtype))
+
+
+def _k0_step(proposer, positions: list[int], hidden: torch.Tensor, block_table, query_start_loc: list[int]):
     from vllm_patches.dflash_context import store_context_only
 
-    calls = []
-    model = SimpleNamespace(combine_hidden_states=lambda h: h * 2,
-                            precompute_and_store_context_kv=lambda *a: calls.append(a))
-    proposer = SimpleNamespace(model=model, block_size=4)
-    cad = SimpleNamespace(query_start_loc=torch.tensor([0, 2, 3]), query_start_loc_cpu=torch.tensor([0, 2, 3]),
-                          block_table_tensor=torch.tensor([[1, 2], [3, 4]]), batch_size=lambda: 2)
-    hidden = torch.ones(4, 3)  # one padding row past the scheduled tokens
-    drafts = store_context_only(proposer, torch.tensor([4, 5, 0, 9]), hidden, cad)
-    assert drafts.shape == (2, 0) and drafts.dtype == torch.int64
-    (states, positions, slots), = calls
-    assert states.shape == (3, 3) and bool((states == 2).all())
-    assert positions.tolist() == [4, 5, 0] and slots.tolist() == [2 * 4 + 0, 2 * 4 + 1, 3 * 4 + 0]
+    qsl = torch.tensor(query_start_loc)
+    cad = SimpleNamespace(query_start_loc=qsl, query_start_loc_cpu=qsl, block_table_tensor=block_table,
+                          batch_size=lambda: len(query_start_loc) - 1)
+    padded = torch.cat([hidden, torch.full((1, hidden.shape[1]), float("nan"))])  # a padding row past the tokens
+    drafts = store_context_only(proposer, torch.tensor(positions + [0]), padded, cad)
+    assert drafts.shape == (len(query_start_loc) - 1, 0) and drafts.dtype == torch.int64
+
+
+def test_k0_context_is_deferred_and_flushed_in_one_pass_equal_to_the_per_step_one():
+    from vllm_patches import dflash_context
+
+    gen = torch.Generator().manual_seed(1)
+    block_table = torch.tensor([[1, 2, 3], [4, 5, 6]])
+    steps = [([4, 9], torch.randn(2, 6, generator=gen)), ([5, 10], torch.randn(2, 6, generator=gen)),
+             ([6], torch.randn(1, 6, generator=gen))]
+    eager = SimpleNamespace(model=_ContextModel(), block_size=4)
+    deferred = SimpleNamespace(model=_ContextModel(), block_size=4)
+    for positions, hidden in steps:
+        qsl = [0, 1, 2] if len(positions) == 2 else [0, 1]
+        _k0_step(deferred, positions, hidden, block_table, qsl)
+        _k0_step(eager, positions, hidden, block_table, qsl)
+        dflash_context.flush(eager)  # a flush after every step: the per-step pass
+    assert deferred.model.calls == [] and bool((deferred.model.cache == 0).all())  # nothing computed yet
+    assert dflash_context.stats(deferred) == {"deferred_steps": 3, "flushes": 0, "flushed_tokens": 0,
+                                              "pending_tokens": 5}
+    assert dflash_context.flush(deferred) == 5 and deferred.model.calls == [5]  # one batched pass
+    assert torch.allclose(deferred.model.cache, eager.model.cache, rtol=1e-6, atol=1e-6)
+    assert bool((deferred.model.cache[[8, 9, 10, 25, 26]] != 0).all())  # slots 2*4 + (0, 1, 2), 6*4 + (1, 2)
+    assert dflash_context.flush(deferred) == 0 and dflash_context.stats(deferred)["flushes"] == 1
+
+
+def test_a_prefill_sized_step_flushes_the_kept_tokens_first_and_a_full_buffer_flushes():
+    from vllm_patches import dflash_context
+
+    block_table = torch.arange(40).view(1, 40)
+    proposer = SimpleNamespace(model=_ContextModel(num_slots=160), block_size=4)
+    _k0_step(proposer, [3], torch.ones(1, 6), block_table, [0, 1])
+    n = dflash_context.DEFER_MAX_TOKENS
+    _k0_step(proposer, list(range(3, 3 + n)), torch.full((n, 6), 2.0), block_table, [0, n])
+    # the kept token (position 3) first, then the prefill eagerly: the prefill's value of slot 3 wins
+    assert proposer.model.calls == [1, n]
+    assert torch.equal(proposer.model.cache[3], 2.0 * proposer.model.fc.sum(0) * 4)
+    proposer.model.calls.clear()
+    for i in range(dflash_context.FLUSH_TOKENS):
+        _k0_step(proposer, [100 + i % 50], torch.ones(1, 6), block_table, [0, 1])
+    assert proposer.model.calls == [dflash_context.FLUSH_TOKENS]  # flushed when the buffer filled
+    assert dflash_context.stats(proposer)["pending_tokens"] == 0
+
+
+def test_flush_runner_drops_the_kept_tokens_when_the_pass_fails(caplog):
+    from vllm_patches import dflash_context
+
+    proposer = SimpleNamespace(model=_ContextModel(), block_size=4)
+    _k0_step(proposer, [1], torch.ones(1, 6), torch.tensor([[0, 1]]), [0, 1])
+    proposer.model.precompute_and_store_context_kv = lambda *a: (_ for _ in ()).throw(RuntimeError("boom"))
+    dflash_context.flush_runner(SimpleNamespace(drafter=proposer))  # logged, not raised into vLLM
+    assert dflash_context.stats(proposer)["pending_tokens"] == 0
+    dflash_context.flush_runner(SimpleNamespace(drafter=None))  # an engine without a drafter: nothing

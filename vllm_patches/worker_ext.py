@@ -231,6 +231,9 @@ class OnlineOPDWorkerExtension:
                     "seconds": time.perf_counter() - start}
         checked = time.perf_counter()
         model = self.model_runner.drafter.model
+        from vllm_patches import dflash_context
+
+        dflash_context.flush_runner(self.model_runner)  # deferred context K/V: the old weights' (capture's labels)
         try:
             load_into_serving_model(model, tensors)
         except Exception as exc:  # half-loaded: put the previous weights back
@@ -269,10 +272,11 @@ class OnlineOPDWorkerExtension:
     def online_opd_status(self) -> dict:
         """Drafter version serving, reload counts and capture figures of this worker."""
         state = self._online_opd_state()
-        from vllm_patches import capture, ngram_fallback
+        from vllm_patches import capture, dflash_context, ngram_fallback
 
         cap, fallback = capture.current(), ngram_fallback.current()
         return {"version": state["version"], "path": str(state["path"]) if state["path"] else None,
                 "pinned_current": state["pinned_current"], "reloads": dict(state["reloads"]),
                 "capture": cap.stats() if cap is not None else None,
-                "ngram_fallback": fallback.stats() if fallback is not None else None}
+                "ngram_fallback": fallback.stats() if fallback is not None else None,
+                "deferred_context": dflash_context.stats(getattr(self.model_runner, "drafter", None))}
