@@ -21,6 +21,11 @@ servers on identical requests (held-out ShareGPT prompts, temperature 0,
   (vllm_patches/ngram_fallback.py); and (--always) the same with
   `--speculation always` (mode `always+ngram`), K every step.
 
+- (--variant NAME=ARGS, repeatable) `online-opd serve` as the first mode with extra
+  serve arguments (shell words, e.g. `never="--speculation never"`, `nocap=--no-capture`,
+  `noexplore="-o serve.policy_explore_share=0 -o serve.policy_explore_share_unmeasured=0"`):
+  to break down what a server costs against plain vLLM.
+
 `--prompts humaneval` measures on HumanEval (code: copy-heavy, a domain the
 drafter never saw) instead of held-out ShareGPT; `--concurrency` picks the loads.
 
@@ -45,6 +50,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import shlex
 import statistics
 import tempfile
 import time
@@ -153,6 +159,7 @@ def run_mode(mode: str, run_dir: Path, target: Path, drafter: Path, args: argpar
                                       runtime_env=runtime_env_for(cfg.cpu.openmp, cfg.cpu.reserved_cores))
     else:
         extra = [] if args.train else ["--drafter", str(drafter)]
+        extra += args.variants.get(mode, [])
         if mode.endswith("+ngram"):
             extra.append("--ngram-fallback")
         if mode.startswith("always"):
@@ -163,7 +170,7 @@ def run_mode(mode: str, run_dir: Path, target: Path, drafter: Path, args: argpar
         logger.info("%s: ready in %.0f s", mode, time.perf_counter() - start)
         before = server.metrics()
         result: dict[str, Any] = {"by_concurrency": measure(server.url, args)}
-        if mode == "online-opd" or mode == "online-opd+ngram":
+        if mode == "online-opd" or mode == "online-opd+ngram" or mode in args.variants:
             result["policy"] = policy_figures(server, args.max_k)
         if mode.endswith("+ngram"):
             after = server.metrics()
@@ -179,7 +186,7 @@ def run_mode(mode: str, run_dir: Path, target: Path, drafter: Path, args: argpar
         server.stop()
 
 
-def summarize(rounds: list[dict], concurrencies) -> dict[str, Any]:
+def summarize(rounds: list[dict], concurrencies, variants=()) -> dict[str, Any]:
     out = {}
     for c in map(str, concurrencies):
         ratios = [r["ratio"][c] for r in rounds if r["ratio"].get(c) is not None]
@@ -192,7 +199,7 @@ def summarize(rounds: list[dict], concurrencies) -> dict[str, Any]:
         if ngram:
             out[c]["ngram_ratio_median"] = round(statistics.median(ngram), 4)
             out[c]["ngram_ratio_per_round"] = ngram
-        for mode in ("online-opd+ngram", "always+ngram"):
+        for mode in ("online-opd+ngram", "always+ngram", *variants):
             ratios = [r["ratio_by_mode"][mode][c] for r in rounds if r["ratio_by_mode"].get(mode, {}).get(c)]
             if ratios:
                 out[c][f"{mode}_ratio_median"] = round(statistics.median(ratios), 4)
@@ -225,9 +232,18 @@ def main() -> None:
     parser.add_argument("--modes", nargs="+", default=None,
                         choices=("online-opd", "plain", "ngram", "online-opd+ngram", "always+ngram"),
                         help="measure only these modes (plain is always measured: the ratios' baseline)")
+    parser.add_argument("--variant", action="append", default=[], metavar="NAME=ARGS",
+                        help="also measure `online-opd serve` with these extra arguments (shell words) as mode "
+                             "NAME, e.g. never=\"--speculation never\" (repeatable)")
     parser.add_argument("--train", action="store_true", help="online-opd serve with its online trainer on")
     parser.add_argument("--out", type=Path, default=None, help="also write the JSON here")
     args = parser.parse_args()
+    args.variants = {}
+    for spec in args.variant:
+        name, eq, words = spec.partition("=")
+        if not eq or not name or name in ("online-opd", "plain", "ngram", "online-opd+ngram", "always+ngram"):
+            parser.error(f"--variant {spec!r}: expected NAME=ARGS with a new mode name")
+        args.variants[name] = shlex.split(words)
     benchmark_logging()
     args.config = args.config.resolve()
     with tempfile.TemporaryDirectory(prefix="speculation-policy-") as tmp:
@@ -240,6 +256,7 @@ def main() -> None:
                 + (["always+ngram"] if args.ngram_fallback and args.always else [])
             if args.modes:
                 names = [m for m in names if m in args.modes or m == "plain"]
+            names += list(args.variants)
             order = names[r % len(names):] + names[: r % len(names)]  # each mode goes first in turn
             modes = {m: run_mode(m, base / f"round{r}-{m}", target, drafter, args) for m in order}
             tps = {m: {c: v["output_tokens_per_s"] for c, v in modes[m]["by_concurrency"].items()} for m in modes}
@@ -256,7 +273,7 @@ def main() -> None:
                            "policy": modes.get("online-opd", {}).get("policy"),
                            "policy_with_fallback": modes.get("online-opd+ngram", {}).get("policy"),
                            "detail": {m: modes[m]["by_concurrency"] for m in modes}})
-    per_concurrency = summarize(rounds, args.concurrency)
+    per_concurrency = summarize(rounds, args.concurrency, list(args.variants))
     result = {
         "benchmark": "speculation_policy", "config": str(args.config), "rounds": args.rounds,
         "online_opd_serve": "defaults (speculation auto, capture on), fresh drafter"
@@ -271,6 +288,7 @@ def main() -> None:
         "target": f"output tokens/s online-opd / plain >= {TARGET_RATIO} at each concurrency (median over rounds)",
         "per_concurrency": per_concurrency,
         "prewarm_s": args.prewarm_s,
+        "variants": {name: shlex.join(words) for name, words in args.variants.items()},
         "target_met": all(v["target_met"] for v in per_concurrency.values()),
         "requests_failed": sum(d[c]["requests_failed"] for r in rounds for d in r["detail"].values() for c in d),
         "rounds_detail": rounds,

@@ -1,0 +1,169 @@
+"""Serving overhead, paired: `online-opd serve` variants vs plain vLLM, all servers up at once.
+
+What does a server cost against plain vLLM where it does not speculate (a fresh
+drafter: the policy's K = 0), and which part of it costs what? Separate runs one
+after the other (benchmarks/speculation_policy.py) move by 5-10% on this shared
+2-core machine, more than the gap to explain. Here every server is started
+first and then measured in short alternating blocks, so the machine's drift
+falls on all of them alike:
+
+- `plain`: `vllm serve` in-process (serve/server.py ``run_vllm_serve``), the same
+  model, flags and CPU runtime settings (the config's `cpu:` section), no
+  speculative config and no online-opd plugin: the baseline;
+- one `online-opd serve` per `--variant NAME=ARGS` (extra serve arguments, shell
+  words), each with `--drafter` naming a fresh drafter (the trainer stays off).
+  By default `default` (no extra arguments), `nocap` (`--no-capture`) and
+  `never` (`--speculation never`, which keeps capture and the plugin).
+
+A cycle runs one block per server, in an order that rotates each cycle; a block
+is one untimed warm-up request (a server idle for a while spins down its busy
+loops) and then `--block-requests` x c requests, closed loop, the same requests
+for every server of the cycle (temperature 0, `ignore_eos`). A variant's ratio
+in a cycle is its tokens/s over plain's in the same cycle; the JSON reports the
+per-cycle ratios, their median and mean with a 95% t-interval. Idle servers
+stay up meanwhile: their API servers' polls (stats, the speculation policy) are
+part of what is measured, at the small rate they have while idle.
+
+    python benchmarks/serving_overhead.py --cycles 8 --out benchmarks/results/serving_overhead.json
+    python benchmarks/serving_overhead.py --variant default= --variant noexplore="-o serve.policy_explore_share=0 \\
+        -o serve.policy_explore_share_unmeasured=0"
+
+Each server holds its own KV cache (VLLM_CPU_KVCACHE_SPACE, 2 GiB by default): four servers need
+about 12 GiB. One JSON object on stdout (also written to --out); logs on stderr.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import shlex
+import statistics
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from objectives import t_interval
+
+from serve.launcher import ROOT, PlainVllmServer, ServerProcess, benchmark_logging, emit_result
+from serve.loadgen import LoadConfig, run_load
+
+logger = logging.getLogger("serving_overhead")
+
+TOKEN = "serving-overhead-bench"
+DEFAULT_VARIANTS = ("default=", "nocap=--no-capture", "never=--speculation never")
+def parse_variants(specs: list[str]) -> dict[str, list[str]]:
+    """`NAME=ARGS` -> {NAME: shell words}; names unique and not `plain`."""
+    out: dict[str, list[str]] = {}
+    for spec in specs:
+        name, eq, words = spec.partition("=")
+        if not eq or not name or name == "plain" or name in out:
+            raise ValueError(f"--variant {spec!r}: expected NAME=ARGS with a new name other than 'plain'")
+        out[name] = shlex.split(words)
+    return out
+
+
+def start_servers(base: Path, config: Path, variants: dict[str, list[str]], max_num_seqs: int) -> dict[str, Any]:
+    """The plain server and one online-opd server per variant, started one after the other
+    (their start-ups would otherwise compete for the two cores); each waited for before the next."""
+    from speculation_policy import make_fresh_drafter
+
+    from online_opd.config import load_config
+    from serve.cpu_runtime import runtime_env_for
+
+    cfg = load_config(config)
+    target, drafter = make_fresh_drafter(config, base / "fresh-drafter")
+    servers: dict[str, Any] = {}
+    try:
+        servers["plain"] = PlainVllmServer(
+            base / "plain", target, dtype=cfg.model.serving_dtype(), max_model_len=cfg.model.max_model_len,
+            max_num_seqs=max_num_seqs, runtime_env=runtime_env_for(cfg.cpu.openmp, cfg.cpu.reserved_cores))
+        servers["plain"].wait_ready(timeout=900)
+        for name, words in variants.items():
+            start = time.perf_counter()
+            servers[name] = ServerProcess(base / name, config, "--drafter", str(drafter), "--max-num-seqs",
+                                          str(max_num_seqs), *words, token=TOKEN)
+            servers[name].wait_ready(timeout=900)
+            logger.info("%s: ready in %.0f s", name, time.perf_counter() - start)
+    except BaseException:
+        stop_all(servers)
+        raise
+    return servers
+
+
+def stop_all(servers: dict[str, Any]) -> None:
+    for server in servers.values():
+        try:
+            server.stop()
+        except Exception as exc:  # keep stopping the others
+            logger.warning("stopping %s: %s", server.url, exc)
+
+
+def block(url: str, args: argparse.Namespace, seed: int) -> dict[str, Any]:
+    common = dict(base_url=f"{url}/v1", prompts=args.prompts, split="held_out" if args.prompts == "sharegpt" else "all",
+                  num_prompts=256, max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True,
+                  concurrency=args.concurrency, progress=False)
+    run_load(LoadConfig(**common, seed=10_000 + seed, num_requests=args.concurrency))
+    summary = run_load(LoadConfig(**common, seed=seed, num_requests=args.block_requests * args.concurrency))
+    return {k: summary[k] for k in ("output_tokens_per_s", "output_tokens", "requests_ok", "requests_failed", "wall_s")}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("-c", "--config", type=Path, default=ROOT / "configs" / "default.yaml")
+    parser.add_argument("--variant", action="append", default=None, metavar="NAME=ARGS",
+                        help="an online-opd serve variant with these extra arguments (repeatable; default: "
+                             + ", ".join(DEFAULT_VARIANTS) + ")")
+    parser.add_argument("--cycles", type=int, default=8, help="blocks per server (default 8)")
+    parser.add_argument("--block-requests", type=int, default=5, help="timed requests per block = this x c")
+    parser.add_argument("--concurrency", type=int, default=1)
+    parser.add_argument("--prompts", choices=("humaneval", "sharegpt"), default="humaneval")
+    parser.add_argument("--max-tokens", type=int, default=128)
+    parser.add_argument("--max-num-seqs", type=int, default=32)
+    parser.add_argument("--out", type=Path, default=None, help="also write the JSON here")
+    args = parser.parse_args()
+    try:
+        variants = parse_variants(args.variant if args.variant is not None else list(DEFAULT_VARIANTS))
+    except ValueError as exc:
+        parser.error(str(exc))
+    if args.cycles < 2:
+        parser.error("--cycles must be >= 2 (a ratio's interval needs two cycles)")
+    benchmark_logging()
+    config = args.config.resolve()
+    names = ["plain", *variants]
+    cycles: list[dict[str, Any]] = []
+    with tempfile.TemporaryDirectory(prefix="serving-overhead-") as tmp:
+        servers = start_servers(Path(tmp), config, variants, args.max_num_seqs)
+        try:
+            for i in range(args.cycles):
+                order = names[i % len(names):] + names[: i % len(names)]
+                results = {name: block(servers[name].url, args, seed=i) for name in order}
+                tps = {n: r["output_tokens_per_s"] for n, r in results.items()}
+                ratios = {n: round(tps[n] / tps["plain"], 4) for n in variants if tps["plain"]}
+                logger.info("cycle %d: %s", i, ", ".join(f"{n} {tps[n]:.1f}" for n in names)
+                            + " tokens/s; ratios " + ", ".join(f"{n} {r:.3f}" for n, r in ratios.items()))
+                cycles.append({"cycle": i, "order": order, "tokens_per_s": tps, "ratio": ratios, "detail": results})
+        finally:
+            stop_all(servers)
+    summary = {}
+    for name in variants:
+        values = [c["ratio"][name] for c in cycles if name in c["ratio"]]
+        summary[name] = {"args": shlex.join(variants[name]), "ratio_median": round(statistics.median(values), 4),
+                         **t_interval(values), "ratio_per_cycle": values}
+    emit_result({
+        "benchmark": "serving_overhead", "config": str(config),
+        "plain": "vllm serve, same model, flags and CPU runtime settings (config cpu:), no speculative config, "
+                 "no online-opd plugin",
+        "online_opd_serve": "online-opd serve --drafter <fresh drafter> (trainer off) plus each variant's arguments",
+        "prompts": f"{args.prompts}, temperature 0, ignore_eos, {args.max_tokens} tokens",
+        "concurrency": args.concurrency, "cycles": args.cycles, "block_requests": args.block_requests * args.concurrency,
+        "max_num_seqs": args.max_num_seqs, "variants": summary,
+        "requests_failed": sum(r["requests_failed"] for c in cycles for r in c["detail"].values()),
+        "cycles_detail": cycles,
+        "note": "all servers up at once, measured in alternating blocks (order rotating per cycle); "
+                "ratios are per cycle against plain in the same cycle",
+    }, args.out)
+
+
+if __name__ == "__main__":
+    main()
