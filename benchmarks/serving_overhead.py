@@ -21,21 +21,26 @@ loops) and then `--block-requests` x c requests, closed loop, the same requests
 for every server of the cycle (temperature 0, `ignore_eos`). A variant's ratio
 in a cycle is its tokens/s over plain's in the same cycle; the JSON reports the
 per-cycle ratios, their median and mean with a 95% t-interval. Idle servers
-stay up meanwhile: their API servers' polls (stats, the speculation policy) are
-part of what is measured, at the small rate they have while idle.
+stay up meanwhile. An online-opd server polls its workers every
+`serve.stats_poll_s` for `serve.stats_settle_s` after its last work, and each
+poll makes an idle worker busy-wait for about a second: that would land on the
+next server's block, so the servers here run with `serve.stats_settle_s=0`
+(idle polls a minute apart; it changes nothing while a server works). A first
+run with four servers and the default settle moved by 0.74-1.27 per cycle.
 
     python benchmarks/serving_overhead.py --cycles 8 --out benchmarks/results/serving_overhead.json
     python benchmarks/serving_overhead.py --variant default= --variant noexplore="-o serve.policy_explore_share=0 \\
         -o serve.policy_explore_share_unmeasured=0"
 
-Each server holds its own KV cache (VLLM_CPU_KVCACHE_SPACE, 2 GiB by default): four servers need
-about 12 GiB. One JSON object on stdout (also written to --out); logs on stderr.
+Each server holds its own KV cache (VLLM_CPU_KVCACHE_SPACE GiB; 1 here unless set): four servers need
+about 10 GiB. One JSON object on stdout (also written to --out); logs on stderr.
 """
 
 from __future__ import annotations
 
 import argparse
 import logging
+import os
 import shlex
 import statistics
 import tempfile
@@ -82,7 +87,7 @@ def start_servers(base: Path, config: Path, variants: dict[str, list[str]], max_
         for name, words in variants.items():
             start = time.perf_counter()
             servers[name] = ServerProcess(base / name, config, "--drafter", str(drafter), "--max-num-seqs",
-                                          str(max_num_seqs), *words, token=TOKEN)
+                                          str(max_num_seqs), "-o", "serve.stats_settle_s=0", *words, token=TOKEN)
             servers[name].wait_ready(timeout=900)
             logger.info("%s: ready in %.0f s", name, time.perf_counter() - start)
     except BaseException:
@@ -129,6 +134,7 @@ def main() -> None:
     if args.cycles < 2:
         parser.error("--cycles must be >= 2 (a ratio's interval needs two cycles)")
     benchmark_logging()
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # every server's, plain's too: several share the memory
     config = args.config.resolve()
     names = ["plain", *variants]
     cycles: list[dict[str, Any]] = []
