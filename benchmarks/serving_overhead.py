@@ -49,6 +49,7 @@ from pathlib import Path
 from typing import Any
 
 from objectives import t_interval
+from speculation_policy import make_fresh_drafter, parse_variants
 
 from serve.launcher import ROOT, PlainVllmServer, ServerProcess, benchmark_logging, emit_result
 from serve.loadgen import LoadConfig, run_load
@@ -57,22 +58,9 @@ logger = logging.getLogger("serving_overhead")
 
 TOKEN = "serving-overhead-bench"
 DEFAULT_VARIANTS = ("default=", "nocap=--no-capture", "never=--speculation never")
-def parse_variants(specs: list[str]) -> dict[str, list[str]]:
-    """`NAME=ARGS` -> {NAME: shell words}; names unique and not `plain`."""
-    out: dict[str, list[str]] = {}
-    for spec in specs:
-        name, eq, words = spec.partition("=")
-        if not eq or not name or name == "plain" or name in out:
-            raise ValueError(f"--variant {spec!r}: expected NAME=ARGS with a new name other than 'plain'")
-        out[name] = shlex.split(words)
-    return out
-
-
 def start_servers(base: Path, config: Path, variants: dict[str, list[str]], max_num_seqs: int) -> dict[str, Any]:
     """The plain server and one online-opd server per variant, started one after the other
     (their start-ups would otherwise compete for the two cores); each waited for before the next."""
-    from speculation_policy import make_fresh_drafter
-
     from online_opd.config import load_config
     from serve.cpu_runtime import runtime_env_for
 
@@ -128,7 +116,7 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=None, help="also write the JSON here")
     args = parser.parse_args()
     try:
-        variants = parse_variants(args.variant if args.variant is not None else list(DEFAULT_VARIANTS))
+        variants = parse_variants(args.variant if args.variant is not None else list(DEFAULT_VARIANTS), ("plain",))
     except ValueError as exc:
         parser.error(str(exc))
     if args.cycles < 2:

@@ -70,6 +70,7 @@ TARGET_RATIO = 0.95
 CONCURRENCIES = (1, 8, 32)
 # vLLM's built-in prompt-lookup speculation: the baseline a user gets without training
 NGRAM = ngram_speculative_config(4)
+MODES = ("online-opd", "plain", "ngram", "online-opd+ngram", "always+ngram")
 
 
 def make_fresh_drafter(cfg_path: Path, out: Path) -> tuple[Path, Path]:
@@ -186,6 +187,19 @@ def run_mode(mode: str, run_dir: Path, target: Path, drafter: Path, args: argpar
         server.stop()
 
 
+def parse_variants(specs: list[str], reserved) -> dict[str, list[str]]:
+    """`--variant NAME=ARGS` values -> {NAME: serve arguments as shell words}; a name must be new (not
+    in `reserved`, not repeated). ValueError names the bad one."""
+    out: dict[str, list[str]] = {}
+    for spec in specs:
+        name, eq, words = spec.partition("=")
+        if not eq or not name or name in reserved or name in out:
+            raise ValueError(f"--variant {spec!r}: expected NAME=ARGS with a new mode name "
+                             f"(not {', '.join(reserved)} or one given before)")
+        out[name] = shlex.split(words)
+    return out
+
+
 def summarize(rounds: list[dict], concurrencies, variants=()) -> dict[str, Any]:
     out = {}
     for c in map(str, concurrencies):
@@ -230,7 +244,7 @@ def main() -> None:
                         help="seconds of c=1 traffic every server gets before the measured loads (default 0: "
                              "a fresh server; set it to measure the policy after it learnt the acceptance)")
     parser.add_argument("--modes", nargs="+", default=None,
-                        choices=("online-opd", "plain", "ngram", "online-opd+ngram", "always+ngram"),
+                        choices=MODES,
                         help="measure only these modes (plain is always measured: the ratios' baseline)")
     parser.add_argument("--variant", action="append", default=[], metavar="NAME=ARGS",
                         help="also measure `online-opd serve` with these extra arguments (shell words) as mode "
@@ -238,12 +252,10 @@ def main() -> None:
     parser.add_argument("--train", action="store_true", help="online-opd serve with its online trainer on")
     parser.add_argument("--out", type=Path, default=None, help="also write the JSON here")
     args = parser.parse_args()
-    args.variants = {}
-    for spec in args.variant:
-        name, eq, words = spec.partition("=")
-        if not eq or not name or name in ("online-opd", "plain", "ngram", "online-opd+ngram", "always+ngram"):
-            parser.error(f"--variant {spec!r}: expected NAME=ARGS with a new mode name")
-        args.variants[name] = shlex.split(words)
+    try:
+        args.variants = parse_variants(args.variant, MODES)
+    except ValueError as exc:
+        parser.error(str(exc))
     benchmark_logging()
     args.config = args.config.resolve()
     with tempfile.TemporaryDirectory(prefix="speculation-policy-") as tmp:
