@@ -8,7 +8,9 @@
   environment variable (set by ``online-opd serve``), with the admission check
   of the capture opt-out flag (``request_checks.py``). With ``ONLINE_OPD_SPECULATION``
   (``online-opd serve --speculation auto``) it installs the speculation control
-  (``speculation.py``: the runtime K schedule, step costs, exploration). With
+  (``speculation.py``: the runtime K schedule, step costs, exploration). In every
+  online-opd serve process (any of those variables set) a step without drafts is
+  sampled by the plain sampler, not the rejection sampler (``zero_draft.py``). With
   ``ONLINE_OPD_NGRAM_FALLBACK`` (``serve.ngram_fallback.enabled``) it installs the
   ngram fallback (``ngram_fallback.py``: prompt lookup replaces the drafter's block
   where it pays, in the worker).
@@ -99,6 +101,10 @@ def register() -> None:
     cpu_fixes.apply()
     if any(os.environ.get(name) for name in (SPECULATION_ENV, CAPTURE_ENV, SERVE_ENV, NGRAM_FALLBACK_ENV)):
         own_log_handler()  # a process vLLM spawned for online-opd serve has none yet
+        check_vllm_version()
+        from vllm_patches import zero_draft
+
+        zero_draft.install()  # in the worker: a step without drafts skips the rejection sampler
     if os.environ.get(SPECULATION_ENV):
         check_vllm_version()
         from vllm_patches import speculation
