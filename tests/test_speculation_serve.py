@@ -8,7 +8,9 @@ and speculates at batch size 1; outputs stay the target's, and every block
 vLLM drafted, many of them right after stretches of K = 0 steps, equals the
 torch drafter's greedy block at its anchor (the drafter's context K/V of the
 K = 0 steps were kept, deferred and flushed in batches before each drafting
-step and each finished request: vllm_patches/dflash_context.py).
+step and each finished request: vllm_patches/dflash_context.py), also the
+blocks of a request whose prompt hit two cached KV blocks (their drafter context
+was stored by an earlier request).
 """
 
 from __future__ import annotations
@@ -103,6 +105,14 @@ def test_memorising_drafter_turns_speculation_on_at_batch_size_one(server, rollo
     tokens = delta(before, after, "vllm:generation_tokens_total")
     assert drafts >= 0.15 * tokens and accepted > drafts, (drafts, accepted, tokens)
     assert "speculation schedule [(1, 8, 0)] -> [(1, " in server.tail(1_000_000)  # the change, logged
+    # A prompt longer than two KV blocks (128 tokens on the CPU), sent twice: the second request hits
+    # both full blocks (DFlash keeps the last hit block: disable_eagle_block_drop), so its drafts read
+    # the drafter context K/V the first request stored there. They are checked below against the torch
+    # drafter, which computes that context from scratch.
+    long_prompt = ([t for prompt, _ in rollouts for t in prompt] * 2)[:300]  # the prompts, twice over
+    hits = server.metrics().get("vllm:prefix_cache_hits_total", 0.0)
+    assert complete(server, long_prompt) == complete(server, long_prompt)
+    assert server.metrics()["vllm:prefix_cache_hits_total"] - hits >= 256
     assert_drafted_blocks_match_the_torch_drafter(server, trained_run)
 
 

@@ -295,6 +295,9 @@ def test_serve_argv_and_env_per_speculation_mode(tmp_path):
     # gate tau 3.0 at K=4: alpha = 0.741, tau(K) / (1 + 0.125 K) = 1, 1.55, 1.83, 1.96, 2.0 at b = 1
     assert spec_of(argv(good))["num_speculative_tokens_per_batch_size"] == [[1, 1, 4], [2, 2, 0]]
     assert "num_speculative_tokens_per_batch_size" not in spec_of(argv(good, "serve.speculation=always"))
+    # DFlash's context K/V depend on the prefix alone: a prefix-cache hit keeps its last block
+    assert spec_of(argv(fresh))["disable_eagle_block_drop"] is True
+    assert spec_of(argv(good, "serve.speculation=always"))["disable_eagle_block_drop"] is True
     never = argv(good, "serve.speculation=never")
     assert spec_of(never) is None and "vllm_patches.worker_ext.OnlineOPDWorkerExtension" in never
 
