@@ -20,7 +20,10 @@ is one untimed warm-up request (a server idle for a while spins down its busy
 loops) and then `--block-requests` x c requests, closed loop, the same requests
 for every server of the cycle (temperature 0, `ignore_eos`). A variant's ratio
 in a cycle is its tokens/s over plain's in the same cycle; the JSON reports the
-per-cycle ratios, their median and mean with a 95% t-interval. Idle servers
+per-cycle ratios, their median and mean with a 95% t-interval, and per server
+the engine's work over its timed blocks (`engine_work`, from vLLM's counters:
+tokens computed per output token, prefix-cache hit rate): a variant that
+computes more than plain for the same requests shows there. Idle servers
 stay up meanwhile. An online-opd server polls its workers every
 `serve.stats_poll_s` for `serve.stats_settle_s` after its last work, and each
 poll makes an idle worker busy-wait for about a second: that would land on the
@@ -92,13 +95,33 @@ def stop_all(servers: dict[str, Any]) -> None:
             logger.warning("stopping %s: %s", server.url, exc)
 
 
-def block(url: str, args: argparse.Namespace, seed: int) -> dict[str, Any]:
-    common = dict(base_url=f"{url}/v1", prompts=args.prompts, split="held_out" if args.prompts == "sharegpt" else "all",
+#: vLLM's engine counters read around each timed block: tokens the engine computed (prompt tokens
+#: not served from the prefix cache, plus decode and draft positions) and the prefix cache's work.
+ENGINE_COUNTERS = {"computed_tokens": "vllm:iteration_tokens_total_sum",
+                   "prefix_cache_queries": "vllm:prefix_cache_queries_total",
+                   "prefix_cache_hits": "vllm:prefix_cache_hits_total"}
+
+
+def block(server: Any, args: argparse.Namespace, seed: int) -> dict[str, Any]:
+    common = dict(base_url=f"{server.url}/v1", prompts=args.prompts,
+                  split="held_out" if args.prompts == "sharegpt" else "all",
                   num_prompts=256, max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True,
                   concurrency=args.concurrency, progress=False)
     run_load(LoadConfig(**common, seed=10_000 + seed, num_requests=args.concurrency))
+    before = server.metrics()
     summary = run_load(LoadConfig(**common, seed=seed, num_requests=args.block_requests * args.concurrency))
-    return {k: summary[k] for k in ("output_tokens_per_s", "output_tokens", "requests_ok", "requests_failed", "wall_s")}
+    after = server.metrics()
+    out = {k: summary[k] for k in ("output_tokens_per_s", "output_tokens", "requests_ok", "requests_failed", "wall_s")}
+    out.update({k: after.get(name, 0.0) - before.get(name, 0.0) for k, name in ENGINE_COUNTERS.items()})
+    return out
+
+
+def engine_work(cycles: list[dict[str, Any]], name: str) -> dict[str, Any]:
+    """One server's engine counters over all its timed blocks."""
+    total = {k: sum(c["detail"][name][k] for c in cycles) for k in (*ENGINE_COUNTERS, "output_tokens")}
+    return {"computed_tokens": total["computed_tokens"],
+            "computed_per_output_token": round(total["computed_tokens"] / max(total["output_tokens"], 1), 4),
+            "prefix_cache_hit_rate": round(total["prefix_cache_hits"] / max(total["prefix_cache_queries"], 1), 4)}
 
 
 def main() -> None:
@@ -131,7 +154,7 @@ def main() -> None:
         try:
             for i in range(args.cycles):
                 order = names[i % len(names):] + names[: i % len(names)]
-                results = {name: block(servers[name].url, args, seed=i) for name in order}
+                results = {name: block(servers[name], args, seed=i) for name in order}
                 tps = {n: r["output_tokens_per_s"] for n, r in results.items()}
                 ratios = {n: round(tps[n] / tps["plain"], 4) for n in variants if tps["plain"]}
                 logger.info("cycle %d: %s", i, ", ".join(f"{n} {tps[n]:.1f}" for n in names)
@@ -152,6 +175,7 @@ def main() -> None:
         "prompts": f"{args.prompts}, temperature 0, ignore_eos, {args.max_tokens} tokens",
         "concurrency": args.concurrency, "cycles": args.cycles, "block_requests": args.block_requests * args.concurrency,
         "max_num_seqs": args.max_num_seqs, "variants": summary,
+        "engine_work": {name: engine_work(cycles, name) for name in names},
         "requests_failed": sum(r["requests_failed"] for c in cycles for r in c["detail"].values()),
         "cycles_detail": cycles,
         "note": "all servers up at once, measured in alternating blocks (order rotating per cycle); "
