@@ -70,7 +70,8 @@ def test_engine_flags_and_argv(tmp_path):
     argv = vllm_argv(cfg, Path("/models/t"), drafter, ["--max-num-seqs", "4", "--port", "9999"])
     assert argv[:2] == ["serve", "/models/t"]
     spec = json.loads(argv[argv.index("--speculative-config") + 1])
-    assert spec == {"method": "dflash", "model": str(drafter), "num_speculative_tokens": 4}
+    assert spec == {"method": "dflash", "model": str(drafter), "num_speculative_tokens": 4,
+                    "disable_eagle_block_drop": True}
     assert argv[argv.index("--worker-extension-cls") + 1] == "vllm_patches.worker_ext.OnlineOPDWorkerExtension"
     assert "--enforce-eager" in argv
     assert argv[-4:] == ["--max-num-seqs", "4", "--port", "9999"]  # pass-through last: it wins
@@ -96,8 +97,10 @@ def test_argv_serves_the_drafters_block_size_unless_serve_sets_k(tmp_path, make,
         return json.loads(argv[argv.index("--speculative-config") + 1])
 
     # drafter.block_size (8) and eval's K are not the served K; the checkpoint's block size is
+    # EAGLE-3 keeps vLLM's drop of a prefix hit's last block (its K/V there need the next token)
     assert spec("eval.num_speculative_tokens=3") == {"method": method, "model": str(drafter),
-                                                     "num_speculative_tokens": 5}
+                                                     "num_speculative_tokens": 5,
+                                                     **({"disable_eagle_block_drop": True} if method == "dflash" else {})}
     assert spec("serve.num_speculative_tokens=2")["num_speculative_tokens"] == 2
 
 
