@@ -109,6 +109,41 @@ def test_losses_stay_finite_and_ignore_what_the_draft_vocabulary_cannot_reach():
     assert stats["supervised_pos2"] == 0.0 and stats["supervised_pos1"] == 1.0
 
 
+def test_sft_loss_in_draft_space_equals_the_loss_over_the_whole_vocabulary():
+    """sft_loss scores a reduced drafter over its draft vocabulary only: the loss, its gradients and
+    the stats are those of cross-entropy over vLLM's [.., vocab] logits (-inf outside), labels that
+    the vocabulary cannot reach unsupervised."""
+    import torch.nn.functional as F
+
+    from online_opd.train.sft import block_labels, position_weights, to_draft_space
+
+    ids = torch.tensor([0, 2, 3, 7, 10])
+    assert to_draft_space(torch.tensor([[7, -100, 3], [5, 10, 0]]), ids, V).tolist() == [[3, -100, 2], [-100, 4, 0]]
+    drafter = _drafter(5)
+    drafter.set_draft_vocab(ids)
+    seq = TrainSequence(torch.tensor([1, 5, 2, 5, 7, 1, 0, 10, 2]), prompt_len=1)
+    seq.aux_hidden = torch.randn(9, 2 * H, generator=torch.Generator().manual_seed(5))
+    anchors = torch.tensor([1, 3, 5])
+    loss, stats = sft_loss(drafter, seq, anchors, decay=2.0)
+    loss.backward()
+    grads = {n: p.grad.clone() for n, p in drafter.named_parameters() if p.grad is not None}
+    drafter.zero_grad()
+    full = drafter(seq.aux_hidden[:5], anchors, seq.tokens[anchors])  # [3, 3, V], -inf outside ids
+    labels = block_labels(seq.tokens, anchors, 3)
+    labels = labels.masked_fill(~torch.isin(labels, ids), -100)  # 5 and 1 cannot be drafted
+    assert (labels == -100).sum() == 2
+    ce = F.cross_entropy(full.reshape(-1, V), labels.reshape(-1), ignore_index=-100, reduction="none")
+    weights = position_weights(3, 2.0)[None, :] * (labels != -100)
+    expected = (ce.view_as(weights) * weights).sum() / weights.sum()
+    expected.backward()
+    assert torch.allclose(loss, expected, atol=1e-6)
+    assert grads.keys() == {n for n, p in drafter.named_parameters() if p.grad is not None}
+    assert all(torch.allclose(grads[n], p.grad, atol=1e-6) for n, p in drafter.named_parameters() if n in grads)
+    hits = (full.argmax(-1) == labels) & (labels != -100)
+    assert stats["top1_pos1"] == float(hits[:, 0].float().mean())
+    assert stats["supervised_pos1"] == float((labels[:, 0] != -100).float().mean())
+
+
 def test_hot_reload_checks_take_a_reduced_head_and_refuse_a_bad_map(tmp_path):
     from safetensors.torch import load_file, save_file
 

@@ -58,6 +58,14 @@ def block_labels(
     return labels
 
 
+def to_draft_space(labels: torch.Tensor, draft_ids: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """Target-id labels (-100 = none) as indices into the draft vocabulary `draft_ids`
+    (ascending target ids); -100 for a label outside it."""
+    index = torch.full((vocab_size,), -100, dtype=torch.int64, device=labels.device)
+    index[draft_ids] = torch.arange(len(draft_ids), device=labels.device)
+    return torch.where(labels >= 0, index[labels.clamp_min(0)], labels)
+
+
 def position_weights(block_size: int, decay: float) -> torch.Tensor:
     """[K] exp(-(k-1)/decay) for k = 1..K."""
     return torch.exp(-torch.arange(block_size, dtype=torch.float32) / decay)
@@ -69,11 +77,12 @@ def sft_loss(
     """Weighted block cross-entropy for one sequence; returns (loss, stats)."""
     K = drafter.cfg.block_size
     context = seq.aux_hidden[: int(anchors.max())]
-    logits = drafter(context, anchors, seq.tokens[anchors], seq.tokens)  # [M, K, V]
     labels = block_labels(seq.tokens, anchors, K, seq.labels)
-    if getattr(drafter.cfg, "draft_vocab_size", None) is not None:  # labels outside the draft vocabulary
-        scores = logits.detach().gather(-1, labels.clamp_min(0)[..., None])[..., 0]
-        labels = labels.masked_fill(torch.isneginf(scores), -100)  # cannot be drafted: not supervised
+    if getattr(drafter.cfg, "draft_vocab_size", None) is None:
+        logits = drafter(context, anchors, seq.tokens[anchors], seq.tokens)  # [M, K, V]
+    else:  # scored over the draft vocabulary; a label outside it cannot be drafted: not supervised
+        logits = drafter(context, anchors, seq.tokens[anchors], seq.tokens, draft_space=True)  # [M, K, V']
+        labels = to_draft_space(labels, drafter.draft_token_ids(), drafter.cfg.vocab_size)
     ce = F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), labels.reshape(-1),
                          ignore_index=-100, reduction="none").view_as(labels.float())
     weights = position_weights(K, decay)[None, :] * (labels != -100)
