@@ -28,7 +28,7 @@ import os
 import shutil
 import sys
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -98,6 +98,20 @@ def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> Path:
     """Replace ``path`` with ``data`` atomically and durably (module docstring)."""
     path = Path(path)
     return replace_durably(write_temp_bytes(path, data), path)
+
+
+def atomic_write_file(path: str | os.PathLike, write: Callable[[Path], None]) -> Path:
+    """Replace ``path`` atomically and durably with what ``write(tmp)`` writes to a temporary sibling:
+    for writers that stream to a file (no whole-file bytes in memory)."""
+    path = Path(path)
+    tmp = temp_sibling(path)
+    try:
+        write(tmp)
+        fsync_path(tmp)
+    except BaseException:
+        _remove_quietly(tmp)
+        raise
+    return replace_durably(tmp, path)
 
 
 def atomic_write_text(path: str | os.PathLike, text: str) -> Path:

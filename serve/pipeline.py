@@ -29,6 +29,7 @@ from online_opd.train import distributed as dp
 from online_opd.train.loop import train
 from online_opd.train.sequences import (
     TrainSequence,
+    check_feature_memory,
     compute_aux_hidden,
     load_sequences,
     save_sequences,
@@ -103,6 +104,15 @@ def text_sequences(cfg: OnlineOPDConfig, tokenizer) -> list[TrainSequence]:
     return sequences
 
 
+def feature_dtype(cfg: OnlineOPDConfig) -> torch.dtype:
+    """The bootstrap's feature pass dtype: `bootstrap.feature_dtype`, auto = bfloat16 where the
+    target serves in bfloat16, else float32."""
+    name = cfg.bootstrap.feature_dtype
+    if name == "auto":
+        name = "bfloat16" if cfg.model.serving_dtype() == "bfloat16" else "float32"
+    return DTYPES[name]
+
+
 def prepare_text_sequences(cfg: OnlineOPDConfig, target: Path, run_dir: Path, layer_ids, *, progress=True):
     """Text sequences with target features and greedy labels, computed once per run directory."""
     if cfg.bootstrap.text_conversations == 0:
@@ -111,7 +121,9 @@ def prepare_text_sequences(cfg: OnlineOPDConfig, target: Path, run_dir: Path, la
     if path.exists():
         return load_sequences(path, layer_ids)
     sequences = text_sequences(cfg, load_tokenizer(target))
-    target_model = TargetModel.from_pretrained(target, dtype=torch.float32)
+    target_model = TargetModel.from_pretrained(target, dtype=feature_dtype(cfg))
+    check_feature_memory(sequences, target_model.config.hidden_size * len(layer_ids),
+                         f"text features (bootstrap.text_conversations={cfg.bootstrap.text_conversations})")
     compute_aux_hidden(target_model, sequences, tuple(layer_ids), with_labels=True, progress=progress,
                        desc="text features")
     save_sequences(path, sequences, layer_ids)
@@ -131,7 +143,9 @@ def prepare_sequences(cfg: OnlineOPDConfig, target: Path, run_dir: Path, layer_i
     else:
         sequences = generate_rollouts(cfg, target, progress=progress)
         save_sequences(rollouts, sequences, layer_ids)
-    target_model = TargetModel.from_pretrained(target, dtype=torch.float32)
+    target_model = TargetModel.from_pretrained(target, dtype=feature_dtype(cfg))
+    check_feature_memory(sequences, target_model.config.hidden_size * len(layer_ids),
+                         f"rollout features (data.num_prompts={cfg.data.num_prompts})")
     compute_aux_hidden(target_model, sequences, tuple(layer_ids), progress=progress)
     save_sequences(features, sequences, layer_ids)
     return sequences

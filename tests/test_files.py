@@ -51,6 +51,20 @@ def test_a_failed_write_keeps_the_old_file_and_removes_the_temp(tmp_path):
     assert sorted(os.listdir(tmp_path)) == ["status.json"]
 
 
+def test_atomic_write_file_streams_into_place_and_a_failed_writer_keeps_the_old_file(tmp_path):
+    path = tmp_path / "f.bin"
+    files.atomic_write_file(path, lambda tmp: tmp.write_bytes(b"one"))
+    assert path.read_bytes() == b"one"
+
+    def fails(tmp):
+        tmp.write_bytes(b"half")
+        raise OSError("disk full")
+
+    with pytest.raises(OSError, match="disk full"):
+        files.atomic_write_file(path, fails)
+    assert path.read_bytes() == b"one" and [p.name for p in tmp_path.iterdir()] == ["f.bin"]
+
+
 def test_temp_names_are_hidden_tmp_siblings(tmp_path):
     tmp = write_temp_bytes(tmp_path / "seg", b"data")
     assert tmp.parent == tmp_path and is_temp_name(tmp.name) and tmp.name.startswith(".seg.")

@@ -70,6 +70,32 @@ def test_labels_saved_and_loaded(tmp_path):
         save_sequences(tmp_path / "mixed.safetensors", seqs, drafter.target_layer_ids)
 
 
+def test_saved_features_are_shared_views_and_a_feature_pass_that_cannot_fit_is_refused(tmp_path):
+    """After save_sequences each sequence's features are a view of the one saved tensor (the
+    per-sequence copies are freed: a 4096-conversation text bootstrap was OOM-killed while saving 6.9
+    GiB of features); check_feature_memory refuses, before any forward, what would not fit."""
+    from online_opd.train.sequences import check_feature_memory, feature_bytes
+
+    target = tiny_target()
+    drafter = tiny_drafter(target)
+    seqs = [TrainSequence(t, p) for t, p in greedy_sequences(target, num=3, length=12)]
+    compute_aux_hidden(target, seqs, drafter.target_layer_ids, progress=False)
+    before = [s.aux_hidden.clone() for s in seqs]
+    save_sequences(tmp_path / "r.safetensors", seqs, drafter.target_layer_ids)
+    base = seqs[0].aux_hidden.untyped_storage().data_ptr()
+    assert all(s.aux_hidden.untyped_storage().data_ptr() == base for s in seqs)
+    assert all(torch.equal(a, s.aux_hidden) for a, s in zip(before, seqs))
+    back = load_sequences(tmp_path / "r.safetensors", drafter.target_layer_ids)
+    assert all(torch.equal(a, b.aux_hidden) for a, b in zip(before, back))
+    assert [p.name for p in tmp_path.iterdir()] == ["r.safetensors"]  # no temporary left
+    num_features = before[0].shape[1]
+    num_tokens = sum(s.num_tokens for s in seqs)
+    need = 2 * feature_bytes(num_tokens, num_features)  # kept and saved
+    check_feature_memory(seqs, num_features, "text features", available=int(need / 0.9) + 1)
+    with pytest.raises(MemoryError, match=rf"text features \(x=1\): 3 sequences, {num_tokens} tokens x {num_features} features"):
+        check_feature_memory(seqs, num_features, "text features (x=1)", available=need)
+
+
 def test_sft_loss_masks_off_path_positions_and_reports_their_share():
     target = tiny_target()
     drafter = tiny_drafter(target)
@@ -139,6 +165,38 @@ def test_text_only_bootstrap_trains_on_labelled_text_and_resumes(tmp_path, monke
     bootstrap(longer, tmp_path, progress=False)
     metrics = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [m["step"] for m in metrics] == [1, 2, 3]
+
+
+def test_feature_pass_runs_in_the_serving_dtype(tmp_path, monkeypatch):
+    """bootstrap.feature_dtype auto = bfloat16 where the target serves in bfloat16 (the features vLLM
+    serves with), else float32; an explicit value wins; the text bootstrap's target runs in it."""
+    from serve import pipeline
+
+    def dtype(*overrides):
+        return pipeline.feature_dtype(load_config(ROOT / "configs/test-tiny.yaml", list(overrides)))
+
+    assert dtype() == torch.float32  # test-tiny serves in float32
+    assert dtype("model.dtype=bfloat16") == torch.bfloat16
+    assert dtype("model.dtype=float16") == torch.float32
+    assert dtype("model.dtype=bfloat16", "bootstrap.feature_dtype=float32") == torch.float32
+    assert dtype("bootstrap.feature_dtype=bfloat16") == torch.bfloat16
+    with pytest.raises(ConfigError, match="bootstrap.feature_dtype.*auto.*float32.*bfloat16"):
+        dtype("bootstrap.feature_dtype=float16")
+    loaded = []
+    original = pipeline.TargetModel.from_pretrained
+
+    def spy(path, dtype=torch.float32):
+        loaded.append(dtype)
+        return original(path, dtype=dtype)
+
+    monkeypatch.setattr(pipeline.TargetModel, "from_pretrained", spy)
+    cfg = load_config(ROOT / "configs/test-tiny.yaml", ["model.dtype=bfloat16", "bootstrap.rollouts=false",
+                                                     "bootstrap.text_conversations=2", "bootstrap.text_max_tokens=8",
+                                                     "bootstrap.num_steps=1"])
+    pipeline.bootstrap(cfg, tmp_path, progress=False)
+    assert loaded == [torch.float32, torch.bfloat16]  # the drafter's init from the target, then the feature pass
+    seqs = load_sequences(tmp_path / "text_sequences.safetensors")
+    assert len(seqs) == 2 and all(s.aux_hidden.dtype == torch.bfloat16 and s.labels is not None for s in seqs)
 
 
 def _fail(*args, **kwargs):

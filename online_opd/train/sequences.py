@@ -14,10 +14,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file, save
+from safetensors.torch import load_file, save_file
 from tqdm.auto import tqdm
 
-from online_opd.files import atomic_write_bytes
+from online_opd.files import atomic_write_file
 
 
 @dataclass
@@ -63,7 +63,9 @@ def save_sequences(path: Path, sequences: list[TrainSequence], layer_ids: tuple[
         "layer_ids": torch.tensor(layer_ids, dtype=torch.int64),
     }
     if all(s.aux_hidden is not None for s in sequences):
-        tensors["aux_hidden"] = torch.cat([s.aux_hidden for s in sequences]).contiguous()
+        tensors["aux_hidden"] = aux = torch.cat([s.aux_hidden for s in sequences]).contiguous()
+        for seq, lo, hi in zip(sequences, tensors["offsets"][:-1].tolist(), tensors["offsets"][1:].tolist()):
+            seq.aux_hidden = aux[lo:hi]  # views of the saved tensor: the per-sequence copies are freed
     num_labelled = sum(s.labels is not None for s in sequences)
     if num_labelled not in (0, len(sequences)):
         raise ValueError(f"{path}: {num_labelled} of {len(sequences)} sequences have labels; "
@@ -71,7 +73,28 @@ def save_sequences(path: Path, sequences: list[TrainSequence], layer_ids: tuple[
     if num_labelled:
         tensors["labels"] = torch.cat([s.labels for s in sequences]).to(torch.int64)
     path.parent.mkdir(parents=True, exist_ok=True)
-    atomic_write_bytes(path, save(tensors))
+    atomic_write_file(path, lambda tmp: save_file(tensors, tmp))  # streamed: no whole-file bytes in memory
+
+
+def feature_bytes(num_tokens: int, num_features: int) -> int:
+    """Bytes of the stored features of `num_tokens` tokens (bfloat16)."""
+    return num_tokens * num_features * 2
+
+
+def check_feature_memory(sequences: list[TrainSequence], num_features: int, what: str,
+                         available: int | None = None) -> None:
+    """MemoryError, before any target forward, when the features of `sequences` would not fit:
+    they stay in memory for training and saving them copies them once more (2x), within 90% of
+    the memory available now (`available` bytes; default: psutil's figure)."""
+    import psutil
+
+    need = 2 * feature_bytes(sum(s.num_tokens for s in sequences), num_features)
+    available = psutil.virtual_memory().available if available is None else available
+    if need > 0.9 * available:
+        raise MemoryError(
+            f"{what}: {len(sequences)} sequences, {sum(s.num_tokens for s in sequences):,} tokens x "
+            f"{num_features} features need about {need / 2**30:.1f} GiB while training and saving, but "
+            f"{available / 2**30:.1f} GiB are available; lower the number of sequences")
 
 
 def load_sequences(path: Path, layer_ids: tuple[int, ...] | None = None) -> list[TrainSequence]:
