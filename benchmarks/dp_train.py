@@ -25,14 +25,13 @@ import torch
 from online_opd.config import apply_overrides, load_config
 from online_opd.data import load_prompts
 from online_opd.models.drafters.checkpoint import save_drafter
-from online_opd.models.drafters.factory import new_drafter
 from online_opd.models.target_model import TargetModel
 from online_opd.opd.specdec import speculative_generate
 from online_opd.train.opd import write_records
 from online_opd.train.state import STATE_FILE
 from serve.engine import chat_prompt_ids
 from serve.offline_opd import read_usable_records, train_rank
-from serve.pipeline import load_tokenizer, resolve_target
+from serve.pipeline import fresh_drafter, load_tokenizer, resolve_target
 from serve.trainer_dp import train_on_records_dp
 
 DEFAULTS = ["trainer.objective=draft_opd", "trainer.num_steps=8", "trainer.sequences_per_step=4",
@@ -56,8 +55,7 @@ def make_records(cfg, work: Path, num_prompts: int, max_new_tokens: int) -> Path
     target_path = resolve_target(cfg, progress=False)
     target = TargetModel.from_pretrained(target_path, dtype=torch.float32)
     tokenizer = load_tokenizer(target_path)
-    drafter = new_drafter(cfg.drafter, target.config, tokenizer, target)
-    drafter.attach_target(target.embed_weight, target.lm_head_weight)
+    drafter, _ = fresh_drafter(cfg, target, tokenizer)
     save_drafter(drafter, work / "init")
     prompts = load_prompts(cfg.data.prompts, num_prompts=num_prompts, seed=cfg.data.seed, split="train",
                            held_out_fraction=cfg.data.held_out_fraction)

@@ -79,15 +79,14 @@ def make_fresh_drafter(cfg_path: Path, out: Path) -> tuple[Path, Path]:
 
     from online_opd.config import load_config
     from online_opd.models.drafters.checkpoint import save_drafter
-    from online_opd.models.drafters.factory import new_drafter
     from online_opd.models.target_model import TargetModel
-    from serve.pipeline import load_tokenizer, resolve_target
+    from serve.pipeline import fresh_drafter, load_tokenizer, resolve_target
 
     cfg = load_config(cfg_path)
     target = resolve_target(cfg, progress=False)
     target_model = TargetModel.from_pretrained(target, dtype=torch.float32)
-    drafter = new_drafter(cfg.drafter, target_model.config, load_tokenizer(target), target_model)
-    return target, save_drafter(drafter, out, version="v0001", metrics={"origin": "fresh"})
+    drafter, vocab = fresh_drafter(cfg, target_model, load_tokenizer(target))
+    return target, save_drafter(drafter, out, version="v0001", metrics={"origin": "fresh", **vocab})
 
 
 def measure(url: str, args: argparse.Namespace) -> dict[str, Any]:

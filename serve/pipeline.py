@@ -245,6 +245,16 @@ def choose_draft_vocab(cfg: OnlineOPDConfig, drafter, tokenizer, sequences: list
     return {"draft_vocab_size": size, "draft_vocab_coverage": round(share, 4), "draft_vocab_source": source}
 
 
+def fresh_drafter(cfg: OnlineOPDConfig, target_model: TargetModel, tokenizer):
+    """A fresh drafter with no training data, as `online-opd serve` starts one: warm-started from the
+    target, sharing its embeddings and LM head and, with `drafter.draft_vocab_size`, its draft
+    vocabulary chosen on ShareGPT replies with the target's rows as its head (what vLLM loads).
+    Returns (drafter, figures for the manifest)."""
+    drafter = new_drafter(cfg.drafter, target_model.config, tokenizer, target_model)
+    drafter.attach_target(target_model.embed_weight, target_model.lm_head_weight)
+    return drafter, choose_draft_vocab(cfg, drafter, tokenizer)
+
+
 def load_serving_drafter(path: Path, target: Path):
     """A saved drafter with the target's embeddings attached (for offline checks)."""
     drafter = load_drafter(path)

@@ -78,17 +78,14 @@ def resolve_drafter(cfg: OnlineOPDConfig, target: Path, explicit: Path | None, *
     else:
         import torch
 
-        from online_opd.models.drafters.factory import new_drafter
         from online_opd.models.target_model import TargetModel
-        from serve.pipeline import choose_draft_vocab, load_tokenizer
+        from serve.pipeline import fresh_drafter, load_tokenizer
 
         logger.warning("no trained drafter found (registry %s, %s): starting from a fresh drafter "
                        "warm-started from the target; acceptance is low until it is trained "
                        "(`online-opd bootstrap` trains one offline)", cfg.serve.registry, bootstrap)
         target_model = TargetModel.from_pretrained(target, dtype=torch.float32)
-        tokenizer = load_tokenizer(target)
-        drafter = new_drafter(cfg.drafter, target_model.config, tokenizer, target_model)
-        vocab = choose_draft_vocab(cfg, drafter, tokenizer)
+        drafter, vocab = fresh_drafter(cfg, target_model, load_tokenizer(target))
         info = registry.publish(drafter, metrics={"origin": "fresh", **vocab})
         reason = "initial fresh drafter"
     registry.promote(info.version, reason=reason)

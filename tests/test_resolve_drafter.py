@@ -114,3 +114,18 @@ def test_else_a_fresh_drafter_warm_started_from_the_target_is_v0001(world, tmp_p
     assert torch.equal(drafter.norm.weight, world["target_model"].model.model.norm.weight)
     source = world["target_model"].model.model.layers[2]
     assert torch.equal(drafter.layers[0].self_attn.q_proj.weight, source.self_attn.q_proj.weight)
+
+
+def test_a_fresh_reduced_vocabulary_drafter_saves_the_targets_rows_as_its_head(world, tmp_path):
+    """drafter.draft_vocab_size: the fresh drafter's vocabulary is chosen (ShareGPT replies through the
+    target's tokenizer, end-of-turn always in) and its saved head, which vLLM loads as the drafter's own,
+    is the target's rows of it (it was left at zeros before the fresh path attached the target)."""
+    cfg = _config(tmp_path, "drafter.draft_vocab_size=8")
+    chosen = resolve_drafter(cfg, world["target"], None, progress=False)
+    current = DrafterRegistry(cfg.serve.registry).current()
+    assert current.metrics["origin"] == "fresh" and current.metrics["draft_vocab_size"] == 8
+    assert current.metrics["draft_vocab_source"] == "ShareGPT replies"
+    drafter = load_drafter(chosen)
+    ids = drafter.draft_token_ids()
+    assert len(ids) == 8 and VOCAB - 3 in ids.tolist()  # <eos>
+    assert torch.equal(drafter.lm_head.weight, world["target_model"].lm_head_weight[ids])
