@@ -283,6 +283,7 @@ def main() -> None:
                            "fallback": {m: modes[m]["fallback"] for m in modes if "fallback" in modes[m]},
                            "policy": modes.get("online-opd", {}).get("policy"),
                            "policy_with_fallback": modes.get("online-opd+ngram", {}).get("policy"),
+                           "policy_by_variant": {m: modes[m].get("policy") for m in args.variants if m in modes},
                            "detail": {m: modes[m]["by_concurrency"] for m in modes}})
     per_concurrency = summarize(rounds, args.concurrency, list(args.variants))
     result = {
