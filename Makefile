@@ -32,7 +32,7 @@ run: $(STAMP)
 bootstrap: $(STAMP)
 	$(BIN)/online-opd setup
 	$(BIN)/online-opd bootstrap -c $(CONFIG) --run-dir $(RUN)
-	$(BIN)/online-opd eval -c $(CONFIG) --drafter $(RUN)/drafter --out $(RUN)/eval.json
+	$(BIN)/online-opd eval -c $(CONFIG) --drafter $(RUN)/drafter --record --out $(RUN)/eval.json
 
 test: $(STAMP)
 	$(BIN)/ruff check online_opd serve vllm_patches tests benchmarks

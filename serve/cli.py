@@ -73,6 +73,9 @@ def _add_pipeline(sub: argparse._SubParsersAction) -> None:
     p = _add_config_command(sub, "eval", _eval, "served acceptance length and tokens/s on vLLM")
     p.add_argument("--drafter", type=Path, required=True, help="drafter checkpoint folder")
     p.add_argument("--out", type=Path, default=None, help="also write the JSON result here")
+    p.add_argument("--record", action="store_true",
+                   help="write the served acceptance into the drafter's manifest (metrics.eval): "
+                        "`serve --speculation auto` starts from it instead of assuming the drafter does not pay")
 
 
 def _add_config_command(sub: argparse._SubParsersAction, name: str, func: Callable[[argparse.Namespace], int],
@@ -179,7 +182,7 @@ def _eval(args: argparse.Namespace) -> int:
     from serve.evaluate import evaluate
 
     cfg = load_config(args.config, args.overrides)
-    _emit(evaluate(cfg, args.drafter, progress=_progress(args)), args.out)
+    _emit(evaluate(cfg, args.drafter, progress=_progress(args), record=args.record), args.out)
     return 0
 
 

@@ -6,6 +6,8 @@ the same process, on the same prompts, at each configured concurrency
 (prompts are submitted in groups of that size). Acceptance length comes from vLLM's
 own counters: tau = 1 + accepted / drafts. At temperature 0 the outputs of
 each speculative engine are also compared with plain's token for token (lossless check).
+With ``record`` the drafter's served acceptance goes into its manifest (``metrics.eval``):
+`online-opd serve --speculation auto` starts from it until it has measured the drafter live.
 """
 
 from __future__ import annotations
@@ -57,10 +59,15 @@ def _measure(cfg: OnlineOPDConfig, target: Path, prompt_ids, progress: bool, **l
     return figures, outputs, _acceptance(counters)
 
 
-def evaluate(cfg: OnlineOPDConfig, drafter: Path, *, progress: bool = True) -> dict:
+def evaluate(cfg: OnlineOPDConfig, drafter: Path, *, progress: bool = True, record: bool = False) -> dict:
     """Served tau and tokens/s of `drafter`, with a no-speculation baseline and vLLM's ngram
-    speculation on the same prompts (`eval.baseline`, `eval.ngram`)."""
-    from online_opd.models.drafters.checkpoint import read_manifest, verify_checkpoint
+    speculation on the same prompts (`eval.baseline`, `eval.ngram`); with ``record``, the served
+    acceptance is written into the drafter's manifest (``recorded_figures``)."""
+    from online_opd.models.drafters.checkpoint import (
+        read_manifest,
+        record_manifest_metrics,
+        verify_checkpoint,
+    )
     from online_opd.models.drafters.registry import block_size_for_config, method_for_config
 
     verify_checkpoint(drafter)
@@ -81,6 +88,11 @@ def evaluate(cfg: OnlineOPDConfig, drafter: Path, *, progress: bool = True) -> d
     result["speculative"], spec_outputs, acceptance = _measure(
         cfg, target, prompt_ids, progress, drafter=drafter, num_speculative_tokens=num_spec, method=method)
     result.update(acceptance)
+    if record:
+        result["recorded"] = recorded_figures(cfg, acceptance, num_spec, len(prompt_ids))
+        record_manifest_metrics(drafter, "eval", result["recorded"])
+        logger.info("recorded the served acceptance in %s/manifest.json (metrics.eval): tau %.3f",
+                    drafter, acceptance["acceptance_length"])
     if cfg.eval.ngram:
         ngram = engine.ngram_speculative_config(num_spec)
         figures, ngram_outputs, ngram_acceptance = _measure(cfg, target, prompt_ids, progress,
@@ -95,6 +107,16 @@ def evaluate(cfg: OnlineOPDConfig, drafter: Path, *, progress: bool = True) -> d
             if cfg.eval.ngram:
                 result["ngram"]["identical_outputs"] = _num_identical(baseline_outputs, ngram_outputs)
     return result
+
+
+def recorded_figures(cfg: OnlineOPDConfig, acceptance: dict, num_spec: int, num_prompts: int) -> dict:
+    """What ``record`` stores in the manifest: the served acceptance and what it was measured on."""
+    return {"tau": acceptance["acceptance_length"],
+            "acceptance_rate_per_position": acceptance["acceptance_rate_per_position"],
+            "num_drafts": acceptance["num_drafts"], "num_speculative_tokens": num_spec,
+            "prompts": cfg.eval.prompts, "split": cfg.eval.split, "num_prompts": num_prompts,
+            "max_tokens": cfg.eval.max_tokens, "temperature": cfg.eval.temperature,
+            "dtype": cfg.model.serving_dtype(), "measured_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
 
 
 def _num_identical(baseline: list, outputs: list) -> str:

@@ -112,7 +112,7 @@ def test_offline_pipeline_end_to_end(trained_run, tmp_path):
     manifest = json.loads((Path(trained["drafter"]) / "manifest.json").read_text())
     assert manifest["parent_version"] == "drafter" and manifest["step"] == 4
     result = _cli("eval", *cfg, "--drafter", trained["drafter"], "--out", str(tmp_path / "eval.json"),
-                  "eval.max_num_seqs=[4]", cwd=ROOT)
+                  "--record", "eval.max_num_seqs=[4]", cwd=ROOT)
     drafts, accepted, rates = result["num_drafts"], result["num_accepted_tokens"], \
         result["acceptance_rate_per_position"]
     assert drafts > 0 and result["num_speculative_tokens"] == len(rates) == 4  # the drafter's block size
@@ -130,3 +130,11 @@ def test_offline_pipeline_end_to_end(trained_run, tmp_path):
     assert ngram["identical_outputs"] == result["identical_outputs"]  # lossless at T=0
     assert ngram["concurrency_4"]["output_tokens"] == result["baseline"]["concurrency_4"]["output_tokens"]
     assert set(ngram["speedup"]) == {"concurrency_4"}
+    # --record: the drafter's served acceptance in its manifest, the checkpoint still verifies
+    from online_opd.models.drafters.checkpoint import verify_checkpoint
+
+    recorded = verify_checkpoint(trained["drafter"])["metrics"]["eval"]
+    assert recorded == result["recorded"] and recorded["num_drafts"] == result["num_drafts"]
+    assert recorded["acceptance_rate_per_position"] == rates and recorded["tau"] == result["acceptance_length"]
+    assert recorded["prompts"] == "sharegpt" and recorded["temperature"] == 0 and recorded["num_speculative_tokens"] == 4
+    assert manifest["metrics"].items() <= verify_checkpoint(trained["drafter"])["metrics"].items()

@@ -14,7 +14,9 @@ from online_opd.models.drafters.checkpoint import (
     CONFIG_FILE,
     MANIFEST_FILE,
     WEIGHTS_FILE,
+    CheckpointError,
     load_drafter,
+    record_manifest_metrics,
     save_drafter,
     sha256_file,
     verify_checkpoint,
@@ -62,6 +64,19 @@ def test_publish_copies_a_verified_checkpoint_folder(reg, drafter, tmp_path):
     with pytest.raises(RegistryError, match="not a drafter checkpoint"):
         reg.publish(tmp_path / "nowhere")
     assert [v.version for v in reg.list()] == ["v0001"]
+
+
+def test_recorded_figures_travel_with_the_checkpoint_into_the_registry(reg, drafter, tmp_path):
+    """`online-opd eval --record` writes metrics.eval into a checkpoint's manifest: the weights and
+    their hashes stay, and publishing the folder carries the figures into the version."""
+    src = save_drafter(drafter, tmp_path / "boot", step=3, metrics={"objective": "sft"})
+    before = verify_checkpoint(src)
+    served = {"tau": 1.5, "acceptance_rate_per_position": [0.4, 0.1], "num_drafts": 300}
+    after = record_manifest_metrics(src, "eval", served)
+    assert after == {**before, "metrics": {"objective": "sft", "eval": served}} == verify_checkpoint(src)
+    assert reg.publish(src).metrics == {"objective": "sft", "eval": served}
+    with pytest.raises(CheckpointError, match="no manifest.json to record 'eval'"):
+        record_manifest_metrics(tmp_path / "nowhere", "eval", served)
 
 
 def _drop_manifest_method(folder: Path, config: dict | None = None) -> Path:

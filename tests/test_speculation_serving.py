@@ -248,6 +248,51 @@ def test_estimate_acceptance_sources():
     assert estimate_acceptance(AcceptanceCounts(), {}, max_k=2, min_drafts=8)[0] == [0.0, 0.0]
 
 
+def _eval_manifest(rates: list, num_drafts: int = 500, **metrics) -> dict:
+    return {"metrics": {"eval": {"tau": 2.0, "acceptance_rate_per_position": rates,
+                                 "num_drafts": num_drafts, "prompts": "sharegpt"}, **metrics}}
+
+
+def test_estimate_acceptance_from_the_served_eval_in_the_manifest():
+    """`online-opd eval --record`'s per-position acceptance: used as measured (not as a geometric
+    profile), extended geometrically past its block size, below live blocks and the gate's figure."""
+    served = _eval_manifest([0.4, 0.1, 0.02, 0.001])
+    a, source = estimate_acceptance(AcceptanceCounts(), served, max_k=4, min_drafts=32)
+    assert a == [0.4, 0.1, 0.02, 0.001] and source == "manifest eval: 500 blocks served on sharegpt"
+    assert estimate_acceptance(AcceptanceCounts(), served, max_k=2, min_drafts=32)[0] == [0.4, 0.1]
+    a, _ = estimate_acceptance(AcceptanceCounts(), _eval_manifest([0.64]), max_k=3, min_drafts=32)
+    assert a == pytest.approx([0.64, 0.64 * 0.64, 0.64 ** 3])  # a_{1+j} = a_1 alpha^j, alpha = a_1
+    live = AcceptanceCounts([40], [10])
+    assert estimate_acceptance(live, served, max_k=1, min_drafts=32) == ([0.25], "live: 40 blocks since this "
+                                                                                  "version started serving")
+    a, source = estimate_acceptance(AcceptanceCounts(), _eval_manifest([0.9], gate={"tau_candidate": 1.5}),
+                                    max_k=1, min_drafts=32)
+    assert a == pytest.approx([0.5]) and "gate" in source  # the deployment's own traffic wins
+    for bad in (_eval_manifest([0.4], num_drafts=31), _eval_manifest([]), _eval_manifest([1.5]),
+                _eval_manifest(["x"]), {"metrics": {"eval": "tau 2"}}, {"metrics": {"eval": {"num_drafts": 99}}}):
+        a, source = estimate_acceptance(AcceptanceCounts(), bad, max_k=2, min_drafts=32)
+        assert a == [0.0, 0.0] and source.startswith("none yet")
+
+
+def test_starting_schedule_speculates_at_batch_size_one_from_the_recorded_eval(tmp_path, caplog):
+    """The server's first schedule: a drafter whose recorded served acceptance pays at the prior
+    cost ratio gets K > 0 at b = 1 (here K = 1: goodput 1.38 / 1.125 against 1.47 / 1.25 at K = 2)
+    and K = 0 above it; without the record, K = 0 everywhere."""
+    import json
+    import logging
+
+    from online_opd.config import load_config
+    from serve.server import starting_schedule
+
+    cfg = load_config(None, [])
+    (tmp_path / "manifest.json").write_text(json.dumps(_eval_manifest([0.381, 0.092, 0.015, 0.001])))
+    with caplog.at_level(logging.INFO, logger="online_opd.serve"):
+        assert starting_schedule(cfg, tmp_path, 4) == [[1, 1, 1], [2, 2, 0]]
+    assert "manifest eval: 500 blocks served on sharegpt" in caplog.text
+    (tmp_path / "manifest.json").write_text(json.dumps({"metrics": {}}))
+    assert starting_schedule(cfg, tmp_path, 4) == [[1, 2, 0]]
+
+
 def test_window_rates_compare_measured_and_predicted_over_the_same_steps():
     from online_opd.speculation.costs import CostModel, StepCosts
 

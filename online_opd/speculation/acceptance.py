@@ -86,21 +86,46 @@ def estimate_acceptance(live: AcceptanceCounts, manifest: dict, *, max_k: int,
 
     Live blocks first: the positions at least ``min_drafts`` blocks reached, and
     beyond the last such position a geometric extension of it. With no position
-    known live, the drafter's manifest: the live check's served tau, else the
-    gate's simulated tau, as a geometric profile. With neither, 0 everywhere: an
-    unproven drafter is assumed not to pay until exploration or the gate shows it does.
+    known live, the drafter's manifest: the live check's served tau or the gate's
+    simulated tau, as a geometric profile; else the per-position acceptance that
+    `online-opd eval --record` measured on vLLM (``metrics.eval``, held-out prompts,
+    extended like the live one when it drafted fewer than ``max_k`` tokens). With
+    none, 0 everywhere: an unproven drafter is assumed not to pay until exploration
+    or the gate shows it does.
     """
     profile = live.profile(min_drafts)[:max_k]
     known = 0
     while known < len(profile) and profile[known] is not None:
         known += 1
     if known:
-        alpha = profile[known - 1] ** (1.0 / known)
-        filled = [*profile[:known], *(profile[known - 1] * alpha ** (j + 1) for j in range(max_k - known))]
-        return [float(a) for a in filled], f"live: {live.num_drafts} blocks since this version started serving"
+        return _extend(profile[:known], max_k), f"live: {live.num_drafts} blocks since this version started serving"
     metrics = manifest.get("metrics") or {}
     for key, name in (("live_check", "tau"), ("gate", "tau_candidate")):
         tau = (metrics.get(key) or {}).get(name)
         if isinstance(tau, (int, float)) and tau >= 1.0:
             return geometric_profile(float(tau), max_k, max_k), f"manifest {key} tau {tau:.3f} (geometric)"
+    served = eval_profile(metrics.get("eval"), min_drafts)
+    if served:
+        return (_extend(served, max_k),
+                f"manifest eval: {metrics['eval']['num_drafts']} blocks served on {metrics['eval'].get('prompts')}")
     return [0.0] * max_k, f"none yet ({live.num_drafts} live blocks < {min_drafts}): assumed not to pay"
+
+
+def eval_profile(figures: dict | None, min_drafts: int) -> list[float]:
+    """The per-position acceptance an `online-opd eval --record` stored, if it rests on at least
+    ``min_drafts`` blocks and is a profile (values in [0, 1]); else []."""
+    if not isinstance(figures, dict):
+        return []
+    rates, drafts = figures.get("acceptance_rate_per_position"), figures.get("num_drafts")
+    if not isinstance(drafts, int) or drafts < min_drafts or not isinstance(rates, list) or not rates:
+        return []
+    if not all(isinstance(a, (int, float)) and 0.0 <= a <= 1.0 for a in rates):
+        return []
+    return [float(a) for a in rates]
+
+
+def _extend(known: list[float], max_k: int) -> list[float]:
+    """``known`` (a_1..a_n) cut or extended to max_k positions: a_{n+j} = a_n alpha^j, alpha = a_n^(1/n)."""
+    n = len(known)
+    alpha = known[-1] ** (1.0 / n)
+    return [float(a) for a in [*known[:max_k], *(known[-1] * alpha ** (j + 1) for j in range(max_k - n))]]

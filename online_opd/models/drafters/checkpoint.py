@@ -18,7 +18,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-from online_opd.files import atomic_folder, sha256_file
+from online_opd.files import atomic_folder, atomic_write_json, sha256_file
 from online_opd.models.drafters.registry import drafter_class_for_config
 
 CONFIG_FILE = "config.json"
@@ -70,6 +70,18 @@ def read_manifest(path: str | Path) -> dict:
     if not file.exists():
         return {}
     return json.loads(file.read_text())
+
+
+def record_manifest_metrics(path: str | Path, key: str, figures: dict) -> dict:
+    """Set ``metrics[key] = figures`` in the checkpoint's manifest (written atomically; weights and
+    their hashes untouched); returns the new manifest."""
+    file = Path(path) / MANIFEST_FILE
+    if not file.exists():
+        raise CheckpointError(f"{path}: no {MANIFEST_FILE} to record {key!r} figures in")
+    manifest = json.loads(file.read_text())
+    manifest["metrics"] = {**(manifest.get("metrics") or {}), key: figures}
+    atomic_write_json(file, manifest)
+    return manifest
 
 
 def load_drafter(path: str | Path, *, verify_hashes: bool = True) -> nn.Module:
