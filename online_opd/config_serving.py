@@ -88,7 +88,9 @@ class ServeConfig(StrictModel):
                                       "tokens/s more than this share higher (hysteresis).")
     policy_min_drafts: int = Field(
         32, ge=1, description="speculation auto: live blocks reaching a draft position before its measured "
-                              "acceptance is used (else the manifest's tau, else assumed not to pay).")
+                              "acceptance is used (else the manifest's: a live check's or the gate's "
+                              "tau, else the served acceptance `online-opd eval --record` measured; "
+                              "else assumed not to pay).")
     policy_explore_share: float = Field(
         0.01, ge=0, le=0.5, description="speculation auto: share of engine steps run at K > 0 whatever the "
                                         "schedule, so the cost and acceptance of speculating stay measured.")

@@ -127,7 +127,9 @@ def test_cost_model_fits_the_bilinear_model_and_uses_measured_buckets():
     assert model.seconds(4, 2) == pytest.approx(0.1 + 0.08 + 0.02 + 0.12)
     costs.observe(16, 0, 5.0)  # one step: not enough to be used as measured, but in the fit
     assert CostModel(costs, min_steps=2).seconds(16, 0) != 5.0
-    assert CostModel(costs, min_steps=1).seconds(16, 0) == 5.0
+    assert CostModel(costs, min_steps=1, prior_steps=0).seconds(16, 0) == 5.0
+    shrunk = CostModel(costs, min_steps=1)  # one step against 32 pseudo-steps of the fit
+    assert shrunk.seconds(16, 0) == pytest.approx((5.0 + 32 * shrunk._fitted(16, 0)) / 33)
 
 
 def test_cost_model_with_partial_measurements():
@@ -206,6 +208,32 @@ def test_conservative_decision_uses_costs_measured_at_batch_size_one():
     # tau(3) / (1 + 0.375) = 2.5 / 1.375 = 1.818 > tau(2) / 1.25 = 1.6, tau(1) / 1.125 = 1.333
 
 
+def test_a_rare_batch_sizes_noisy_bucket_is_shrunk_toward_the_fit():
+    """The step costs the bootstrapped-drafter benchmark ended with (benchmarks/results/
+    speculation_policy_bootstrapped.json, second round): t(7, 0) from 12 steps is 43% above t(8, 0)
+    from 523. Taken as measured against the fitted t(7, K), it made K = 1 and 2 cost 2% and 4% more
+    than plain (served: K = 2 at b = 7 alone); shrunk by 32 pseudo-steps toward the fit, t(7, 0) is
+    (12 * 0.04291 + 32 * fit) / 44, and b = 7 keeps K <= 1 like its neighbours."""
+    costs = StepCosts()
+    for b, k, seconds, n in [(1, 0, 0.02563, 3039), (1, 1, 0.0289, 5), (1, 2, 0.02959, 5), (1, 3, 0.03063, 4),
+                             (1, 4, 0.03033, 6), (2, 1, 0.03335, 1), (5, 1, 0.03746, 1), (7, 0, 0.04291, 12),
+                             (8, 0, 0.03009, 523), (8, 2, 0.0509, 2), (8, 3, 0.0483, 2), (28, 0, 0.06204, 5),
+                             (31, 0, 0.05068, 3), (32, 0, 0.04314, 439), (32, 4, 0.18174, 2)]:
+        for _ in range(n):
+            costs.observe(b, k, seconds)
+    acceptance = [0.329, 0.098, 0.022, 0.0]
+    unshrunk = CostModel(costs, prior_steps=0)
+    assert unshrunk.seconds(7, 0) == 0.04291 and break_even_taus(unshrunk, 7, 2) == pytest.approx([1.02, 1.05], abs=0.005)
+    assert decide(unshrunk, acceptance, max_k=4, max_batch_size=32).lookup[7] == 2
+    model = CostModel(costs)
+    fit = model._fitted(7, 0)
+    assert model.seconds(7, 0) == pytest.approx((12 * 0.04291 + 32 * fit) / 44)
+    assert model.seconds(1, 0) == pytest.approx(0.02563, rel=1e-3)  # 3039 steps: as measured
+    assert break_even_taus(model, 7, 2)[0] > 1.1
+    decision = decide(model, acceptance, max_k=4, max_batch_size=32)
+    assert decision.lookup[7] <= 1 and decision.lookup[1] > 0 and decision.lookup[32] == 0
+
+
 def test_a_speculative_step_never_looks_cheaper_than_a_plain_one():
     """Measured in the speculation-policy benchmark: t(1, 4) from 2 steps (0.055 s) under t(1, 0) from
     500 (0.059 s), and a fit with c2 < 0, put a drafter with acceptance 0 at K = 4."""
@@ -215,8 +243,8 @@ def test_a_speculative_step_never_looks_cheaper_than_a_plain_one():
         for _ in range(n):
             costs.observe(b, k, seconds)
     model = CostModel(costs)
-    assert model.seconds(1, 4) == pytest.approx(0.05928 * 1.08)  # the floor: 1 + 0.02 K
-    assert model.seconds(8, 4) == pytest.approx(0.2 * 1.08)  # measured below plain, floored too
+    assert model.seconds(1, 4) == pytest.approx(0.05928 * 1.08, rel=1e-3)  # the floor: 1 + 0.02 K
+    assert model.seconds(8, 4) == pytest.approx(0.2 * 1.08, rel=0.05)  # measured below plain, floored too
     assert break_even_taus(model, 1, 4) == pytest.approx([1.02, 1.04, 1.06, 1.08])
     decision = decide(model, [0.0, 0.0, 0.0, 0.0], max_k=4, max_batch_size=8, margin=0.0)
     assert decision.lookup == [0] * 9

@@ -5,8 +5,9 @@ Every ``interval_s`` seconds, and right after each drafter reload (``wake``), it
 1. reads the engine core's speculation status (vllm_patches/speculation.py: step
    costs by (b, K), acceptance counts, the schedule serving, exploration);
 2. estimates the serving drafter's per-position acceptance a_k from the blocks
-   verified since that version started serving, else its manifest
-   (online_opd/speculation/acceptance.py ``estimate_acceptance``);
+   verified since that version started serving, else its manifest (a live
+   check's or the gate's tau, `online-opd eval --record`'s served acceptance:
+   online_opd/speculation/acceptance.py ``estimate_acceptance``);
 3. decides the schedule (online_opd/speculation/policy.py) and, when it differs
    from the one serving, applies it through the engine core's
    ``online_opd_set_speculation`` and logs the change with the figures behind it;
@@ -46,6 +47,7 @@ class PolicySettings(BaseModel):
     margin: float = Field(0.05, ge=0)
     min_drafts: int = Field(32, ge=1)
     min_steps: int = Field(8, ge=1)
+    prior_steps: int = Field(32, ge=0)  # pseudo-steps of the fit a measured bucket is shrunk with (costs.py)
     explore_share: float = Field(0.01, ge=0, le=0.5)
     # while the serving version's acceptance is not measured live (a fresh server, after each reload)
     explore_share_unmeasured: float = Field(0.01, ge=0, le=0.5)
@@ -123,7 +125,8 @@ class SpeculationPolicyLoop:
             self._version = version
         acceptance, source = estimate_acceptance(counts - self._version_start, await _manifest(path),
                                                  max_k=status["max_k"], min_drafts=self.settings.min_drafts)
-        model = CostModel(StepCosts.from_rows(status["costs"]), min_steps=self.settings.min_steps)
+        model = CostModel(StepCosts.from_rows(status["costs"]), min_steps=self.settings.min_steps,
+                          prior_steps=self.settings.prior_steps)
         decision = decide(model, acceptance, max_k=status["max_k"], max_batch_size=status["max_batch_size"],
                           current=status["lookup"], margin=self.settings.margin)
         share = self.settings.explore_share_for(is_measured=source.startswith("live"))
