@@ -11,8 +11,8 @@ least ``min_steps`` steps is used as measured, shrunk toward the fit below by
 ``prior_steps`` pseudo-steps: (n t_measured + n0 t_fit) / (n + n0). A bucket of a
 rare batch size is noisy, and the policy compares it with the other K at the
 same b: t(7, 0) measured 0.043 s from 12 steps (t(8, 0) 0.030 s from 523), in
-the bootstrapped-drafter benchmark, put the fitted t(7, 2) at 1.04 t(7, 0) and
-served K = 2 at b = 7 only. A bucket of thousands of steps stays as measured.
+the bootstrapped-drafter benchmark, put the fitted t(7, 1) and t(7, 2) at 1.02
+and 1.05 t(7, 0) and served K = 2 at b = 7 alone. A bucket of thousands of steps stays as measured.
 Elsewhere the model
 
     t(b, K) = c0 + c1 b + c2 K + c3 b K
