@@ -68,6 +68,27 @@ class NgramFallbackConfig(StrictModel):
         return self
 
 
+class DraftTrimConfig(StrictModel):
+    """`serve.draft_trim`: each request verifies only the drafted tokens its drafter is confident enough
+    in to pay at the step's batch size (speculation/trim.py)."""
+
+    enabled: bool = Field(
+        False, description="Cut each request's drafted block to the leading tokens whose calibrated "
+                           "probability of all being accepted exceeds the batch size's threshold (the "
+                           "marginal cost of a verified token, from the measured step costs). Needs "
+                           "speculation auto (its policy sets the thresholds) or a fixed threshold, and "
+                           "synchronous scheduling (vLLM's CPU backend); DFlash drafters; output unchanged.")
+    threshold: float | None = Field(
+        None, ge=0, le=1, description="One fixed threshold at every batch size instead of the policy's "
+                                      "(also with speculation always); null = from the step costs.")
+    prior: float = Field(
+        4.0, gt=0, description="Pseudo-blocks at the bin's own confidence that each (position, confidence "
+                               "bin) of the online calibration starts from.")
+    outlook_blocks: int = Field(
+        1024, ge=16, description="Recent untrimmed blocks whose confidences predict what trimming at any "
+                                 "threshold drafts and accepts (the policy's estimate).")
+
+
 class ServeConfig(StrictModel):
     """`online-opd serve`: the OpenAI-compatible server and its admin surface."""
 
@@ -104,6 +125,7 @@ class ServeConfig(StrictModel):
         3, ge=2, description="speculation auto: steps per exploration burst (the first drafts only, the "
                              "others verify and are timed).")
     ngram_fallback: NgramFallbackConfig = Field(default_factory=NgramFallbackConfig)
+    draft_trim: DraftTrimConfig = Field(default_factory=DraftTrimConfig)
     run_dir: Path = Field(Path("runs/serve"), description="Server state: registry, trainer state, logs.")
     registry_dir: Path | None = Field(None, description="Drafter registry; null = <run_dir>/registry.")
     admin_token_env: str = Field(

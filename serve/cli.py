@@ -109,6 +109,10 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
                    help="draft from prompt lookup (vLLM's ngram method) instead of the drafter where a request's "
                         "context matches and such blocks are accepted better (default: the config's "
                         "serve.ngram_fallback.enabled, off)")
+    p.add_argument("--draft-trim", action=argparse.BooleanOptionalAction, default=None,
+                   help="with --speculation auto: each request verifies only the drafted tokens its drafter is "
+                        "confident enough in to pay at the step's batch size (default: the config's "
+                        "serve.draft_trim.enabled)")
     p.add_argument("--ray-address", default=None,
                    help="Ray cluster for the trainer actor (e.g. auto, ray://head:10001; default: local Ray)")
     p.add_argument("--dry-run", action="store_true", help="print the vLLM command and environment, exit")
@@ -196,6 +200,8 @@ def _serve(args: argparse.Namespace) -> int:
         overrides.append(f"serve.speculation={args.speculation}")
     if args.ngram_fallback is not None:
         overrides.append(f"serve.ngram_fallback.enabled={str(args.ngram_fallback).lower()}")
+    if args.draft_trim is not None:
+        overrides.append(f"serve.draft_trim.enabled={str(args.draft_trim).lower()}")
     cfg = load_config(args.config, overrides)
     return serve(cfg, drafter=args.drafter, capture=not args.no_capture, train=not args.no_train,
                  passthrough=args.passthrough, progress=_progress(args), dry_run=args.dry_run)

@@ -160,7 +160,7 @@ def serve_env(cfg: OnlineOPDConfig, target: Path, drafter: Path, *, capture: boo
     """Environment for vLLM's processes: plugin allowlist and online-opd settings."""
     from online_opd.models.drafters.checkpoint import read_manifest
     from serve.cpu_runtime import runtime_env_for
-    from vllm_patches import CAPTURE_ENV, NGRAM_FALLBACK_ENV, SPECULATION_ENV
+    from vllm_patches import CAPTURE_ENV, DRAFT_TRIM_ENV, NGRAM_FALLBACK_ENV, SPECULATION_ENV
     from vllm_patches.capture import CaptureSettings
     from vllm_patches.endpoint import SERVE_ENV, EndpointSettings
     from vllm_patches.model_runner import v1_runner_env
@@ -193,6 +193,9 @@ def serve_env(cfg: OnlineOPDConfig, target: Path, drafter: Path, *, capture: boo
     nf = sc.ngram_fallback
     if nf.enabled and sc.speculation != "never":
         env[NGRAM_FALLBACK_ENV] = nf.model_dump_json()  # read back as ngram_fallback.NgramFallbackSettings
+    if sc.draft_trim.enabled and (sc.speculation == "auto" or
+                                  (sc.speculation == "always" and sc.draft_trim.threshold is not None)):
+        env[DRAFT_TRIM_ENV] = sc.draft_trim.model_dump_json()  # read back as draft_trim.DraftTrimSettings
     c = cfg.capture
     if capture and c.enabled:
         env[CAPTURE_ENV] = CaptureSettings(

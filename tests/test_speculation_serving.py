@@ -44,21 +44,23 @@ def run(control: SpeculationControl, out, model_output, start: float, end: float
     control.on_output(out, model_output, end)
 
 
-def test_control_times_only_steady_decode_steps_and_counts_acceptance():
+def test_control_times_decode_steps_with_their_verified_drafts_and_counts_acceptance():
     control = SpeculationControl(SpeculationSettings(explore_share=0.0), [0, 2, 2], max_k=2)
     run(control, step({"a": 9}, 2, new=True), output({"a": 1}), 0.0, 0.5)  # prefill: not timed
-    run(control, step({"a": 1}, 2), output({"a": 1}), 0.5, 0.6)  # drafts K=2, verifies none: not timed
+    run(control, step({"a": 1}, 2), output({"a": 1}), 0.5, 0.6)  # drafts K=2, verifies none (n = 0)
     run(control, step({"a": 3}, 2, {"a": 2}), output({"a": 3}), 0.6, 0.8)  # steady: 2 accepted
     run(control, step({"a": 3, "b": 3}, 2, {"a": 2, "b": 2}), output({"a": 1, "b": 2}), 0.8, 1.1)
     run(control, step({"a": 3, "b": 1}, 0, {"a": 2}), output({"a": 2, "b": 1}), 1.1, 1.2)  # K 2 -> 0
+    run(control, step({"a": 2, "b": 3}, 2, {"a": 1, "b": 2}), output({"a": 2, "b": 1}), 1.2, 1.5)  # a trimmed
     rows = {(r[0], r[1]): r[2:] for r in control.costs.to_rows()}
     assert rows.keys() == {(1, 2), (2, 2)}
-    assert rows[(1, 2)] == pytest.approx([0.2, 1, 0.2, 3])
-    assert rows[(2, 2)] == pytest.approx([0.3, 1, 0.3, 3])
-    # blocks (drafted, accepted): (2, 2), (2, 0), (2, 1), (2, 1)
-    assert control.acceptance.num_reaching == [4, 4]
-    assert control.acceptance.num_accepted == [3, 1]
-    assert (control.counters["steps"], control.counters["timed_steps"]) == (5, 2)
+    # [seconds, steps, total seconds, output tokens, mean draft tokens verified per step]
+    assert rows[(1, 2)] == pytest.approx([0.15, 2, 0.3, 4, 1.0])
+    assert rows[(2, 2)] == pytest.approx([0.3, 2, 0.6, 6, 3.5])
+    # blocks (drafted, accepted): (2, 2), (2, 0), (2, 1), (2, 1), (1, 1), (2, 0)
+    assert control.acceptance.num_reaching == [6, 5]
+    assert control.acceptance.num_accepted == [4, 1]
+    assert (control.counters["steps"], control.counters["timed_steps"]) == (6, 4)
 
 
 def test_control_step_time_starts_at_the_previous_step_end_when_steps_overlap():
@@ -68,7 +70,7 @@ def test_control_step_time_starts_at_the_previous_step_end_when_steps_overlap():
     control.on_scheduled(second, 0.1)  # async scheduling: scheduled while the first runs
     control.on_output(first, output({"a": 1}), 0.3)
     control.on_output(second, output({"a": 1}), 0.5)
-    assert control.costs.to_rows() == [[1, 0, pytest.approx(0.25), 2, pytest.approx(0.5), 2]]
+    assert control.costs.to_rows() == [[1, 0, pytest.approx(0.25), 2, pytest.approx(0.5), 2, 0.0]]
 
 
 def test_exploration_share_and_k_cycle():
@@ -183,10 +185,22 @@ def test_set_speculation_during_exploration_takes_effect_after_the_burst():
 class FakeEngineClient:
     """The engine client's utility call, answered by a real SpeculationControl in a fake engine core."""
 
-    def __init__(self, core):
+    def __init__(self, core, trim=None):
         self.core = core
+        self.trim = trim  # a real draft_trim.DraftTrim standing for the worker's, or None (not installed)
         self.calls: list[tuple] = []
+        self.rpc_calls: list[tuple] = []
         self.engine_core = self
+
+    async def collective_rpc(self, method: str, args: tuple = ()):
+        """The worker extension's ``online_opd_trim``, one worker."""
+        assert method == "online_opd_trim", method
+        self.rpc_calls.append((method, *args))
+        if self.trim is None:
+            return [None]
+        if args and args[0] is not None:
+            self.trim.set_thresholds(args[0])
+        return [self.trim.stats()]
 
     async def call_utility_async(self, method: str, *args):
         from vllm_patches.speculation import speculation_status

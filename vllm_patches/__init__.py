@@ -13,7 +13,10 @@
   sampled by the plain sampler, not the rejection sampler (``zero_draft.py``). With
   ``ONLINE_OPD_NGRAM_FALLBACK`` (``serve.ngram_fallback.enabled``) it installs the
   ngram fallback (``ngram_fallback.py``: prompt lookup replaces the drafter's block
-  where it pays, in the worker).
+  where it pays, in the worker). With ``ONLINE_OPD_DRAFT_TRIM``
+  (``serve.draft_trim.enabled``) it installs draft trimming (``draft_trim.py``: each
+  request verifies only the drafted tokens its drafter is confident enough in, in the
+  worker).
 - ``worker_ext.OnlineOPDWorkerExtension`` is passed as ``--worker-extension-cls``:
   drafter hot reload and capture figures, called with ``collective_rpc``.
 - ``endpoint.OnlineOPDEndpoints`` is the ``vllm.endpoint_plugins`` entry point:
@@ -39,6 +42,8 @@ SPECULATION_ENV = "ONLINE_OPD_SPECULATION"
 SERVE_ENV = "ONLINE_OPD_SERVE"  # the endpoint plugin's settings (endpoint.py)
 #: JSON ngram-fallback settings for worker processes (see ngram_fallback.NgramFallbackSettings).
 NGRAM_FALLBACK_ENV = "ONLINE_OPD_NGRAM_FALLBACK"
+#: JSON draft-trimming settings for worker processes (see draft_trim.DraftTrimSettings).
+DRAFT_TRIM_ENV = "ONLINE_OPD_DRAFT_TRIM"
 
 
 def settings_from_env(name: str, model: type, what: str):
@@ -99,7 +104,8 @@ def register() -> None:
     from vllm_patches import cpu_fixes
 
     cpu_fixes.apply()
-    if any(os.environ.get(name) for name in (SPECULATION_ENV, CAPTURE_ENV, SERVE_ENV, NGRAM_FALLBACK_ENV)):
+    if any(os.environ.get(name) for name in (SPECULATION_ENV, CAPTURE_ENV, SERVE_ENV, NGRAM_FALLBACK_ENV,
+                                             DRAFT_TRIM_ENV)):
         own_log_handler()  # a process vLLM spawned for online-opd serve has none yet
         check_vllm_version()
         from vllm_patches import zero_draft
@@ -115,6 +121,11 @@ def register() -> None:
         from vllm_patches import ngram_fallback
 
         ngram_fallback.install_from_env()  # acts in the worker, where the drafts are made
+    if os.environ.get(DRAFT_TRIM_ENV):
+        check_vllm_version()
+        from vllm_patches import draft_trim
+
+        draft_trim.install_from_env()  # in the worker, after (outside) the ngram fallback's wrapper
     if not os.environ.get(CAPTURE_ENV):
         return
     check_vllm_version()

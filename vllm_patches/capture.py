@@ -72,7 +72,7 @@ from pydantic import BaseModel, ConfigDict
 
 from online_opd.traces.records import BlockRecord, SequenceRecord
 from online_opd.traces.writer import BufferWriter
-from vllm_patches import ngram_fallback
+from vllm_patches import draft_trim, ngram_fallback
 from vllm_patches.request_checks import OPT_OUT_KEY, read_capture_flag
 
 logger = logging.getLogger("online_opd.capture")
@@ -153,7 +153,8 @@ class _Tracked:
         self.preemptions_at_last_block = block.num_preemptions
         self.blocks.append(BlockRecord(block.anchor, tuple(ids), num_accepted, drafter_version=block.version,
                                        is_context_pure=block.is_context_pure,
-                                       num_plain_steps=self.num_plain_steps, proposer=block.proposer))
+                                       num_plain_steps=self.num_plain_steps, proposer=block.proposer,
+                                       num_drafted=block.num_drafted))
         self.num_plain_steps = 0
 
 
@@ -167,6 +168,7 @@ class _Drafted(NamedTuple):
     is_context_pure: bool
     num_preemptions: int  # the request's preemptions when the step ran
     proposer: str  # the drafter, or the ngram fallback (ngram_fallback.py)
+    num_drafted: int | None = None  # the drafter's block width when fewer were verified (draft_trim.py)
 
 
 @dataclass
@@ -227,8 +229,10 @@ class Capture:
             computed = input_batch.num_computed_tokens_cpu
             for i, (rid, n) in enumerate(zip(input_batch.req_ids, metadata.num_draft_tokens)):
                 if n > 0 and (t := self._tracked.get(rid)) is not None:
+                    width = draft_trim.drafted_width(rid)
                     blocks[rid] = _Drafted(int(computed[i]), offset, int(n), *t.verifying, t.num_preemptions,
-                                           ngram_fallback.proposer_of(rid))
+                                           ngram_fallback.proposer_of(rid),
+                                           width if width is not None and width > n else None)
                 offset += n
         if not blocks:
             return None

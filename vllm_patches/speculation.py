@@ -16,10 +16,12 @@ lookup exists) and sets ``ONLINE_OPD_SPECULATION``; then ``install`` (called by
 - wraps ``Scheduler.schedule`` and ``update_from_output`` to time steps (from
   schedule() entry, or the previous step's end if later, to the end of
   update_from_output: the step's wall time, the worker's forward, drafting and
-  sampling included) and bucket them by (b = requests in the step, K). Only
-  steady decode steps are timed: no prefill, and every request verifies exactly
-  K drafts while K more are drafted; the first and last step of a change of K
-  are left out. From the same two calls it counts, per verified block, its
+  sampling included) and bucket them by (b = requests in the step, K), with
+  the draft tokens verified (n). Only steady decode steps are timed: no
+  prefill, every request verifies at most K drafts (fewer where its block was
+  trimmed, draft_trim.py, none in the first step after K rose) while K more
+  are drafted; the last step of a fall of K (the old K's drafts verified) is
+  left out. From the same two calls it counts, per verified block, its
   length and accepted count (``AcceptanceCounts``).
 - skips, after a step that drafted nothing (K = 0), the engine core's request
   for the step's drafts (``post_step``: a round trip to the worker that would
@@ -129,17 +131,18 @@ class SpeculationControl:
                 self._explore_k = None
         k = self.last_k = out.num_spec_tokens_to_schedule
         spec = out.scheduled_spec_decode_tokens
+        verified = {rid: len(spec.get(rid, ())) for rid in sizes}
         is_steady = not out.scheduled_new_reqs and all(
-            n == 1 + k and len(spec.get(rid, ())) == k for rid, n in sizes.items())
+            n == 1 + verified[rid] and verified[rid] <= k for rid, n in sizes.items())
         if len(self._pending) > 64:  # outputs never handed back (an engine error): forget them
             self._pending.clear()
-        self._pending[id(out)] = (start, len(sizes), k, is_steady)
+        self._pending[id(out)] = (start, len(sizes), k, is_steady, sum(verified.values()))
 
     def on_output(self, out: Any, model_output: Any, end: float) -> None:
         pending = self._pending.pop(id(out), None)
         if pending is None:
             return
-        start, b, k, is_steady = pending
+        start, b, k, is_steady, num_drafted = pending
         seconds, self._last_end = end - max(start, self._last_end), end
         index, sampled = model_output.req_id_to_index, model_output.sampled_token_ids
         for rid, drafts in out.scheduled_spec_decode_tokens.items():
@@ -148,7 +151,8 @@ class SpeculationControl:
                 self.acceptance.observe(len(drafts), len(sampled[i]) - 1)
         if is_steady:
             self.counters["timed_steps"] += 1
-            self.costs.observe(b, k, seconds, sum(len(sampled[i]) for i in index.values() if i < len(sampled)))
+            self.costs.observe(b, k, seconds, sum(len(sampled[i]) for i in index.values() if i < len(sampled)),
+                               num_drafted)
 
     def status(self, serving_lookup: list[int] | None) -> dict:
         return {"max_k": self.max_k, "max_batch_size": max(len(self.policy_lookup) - 1, 0),

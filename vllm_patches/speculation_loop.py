@@ -20,6 +20,10 @@ Every ``interval_s`` seconds, and right after each drafter reload (``wake``), it
    while it explored, README figures);
 4. compares, over the steady steps of the last interval, the measured output
    tokens per second with the cost model's prediction for the same steps.
+
+With draft trimming on (``serve.draft_trim``, draft_trim.py) it reads the worker's
+outlook before deciding (``online_opd_trim`` through ``collective_rpc``) and sends
+it the decision's per-batch-size thresholds when they changed.
 """
 
 from __future__ import annotations
@@ -127,8 +131,12 @@ class SpeculationPolicyLoop:
                                                  max_k=status["max_k"], min_drafts=self.settings.min_drafts)
         model = CostModel(StepCosts.from_rows(status["costs"]), min_steps=self.settings.min_steps,
                           prior_steps=self.settings.prior_steps)
+        trim = await self._trim_status()
         decision = decide(model, acceptance, max_k=status["max_k"], max_batch_size=status["max_batch_size"],
-                          current=status["lookup"], margin=self.settings.margin)
+                          current=status["lookup"], margin=self.settings.margin,
+                          trim_outlook=trim.get("outlook") if trim is not None else None)
+        if trim is not None and decision.thresholds != trim.get("thresholds"):
+            trim = await self._trim_status(decision.thresholds) or trim
         share = self.settings.explore_share_for(is_measured=source.startswith("live"))
         if decision.lookup != status["lookup"] or share != status.get("explore_share", share):
             result = await self.engine.engine_core.call_utility_async(
@@ -147,8 +155,14 @@ class SpeculationPolicyLoop:
         self.latest = {**status, "schedule": decision.schedule, "acceptance_used": acceptance,
                        "acceptance_source": source, "measured_tokens_per_s": measured,
                        "predicted_tokens_per_s": predicted, "num_changes": self.num_changes,
-                       "cost_model": model.describe(), "version": version}
+                       "cost_model": model.describe(), "version": version, "draft_trim": trim}
         return self.latest
+
+    async def _trim_status(self, thresholds: list[float] | None = None) -> dict | None:
+        """The worker's draft-trimming figures (draft_trim.py), setting its thresholds when given; None
+        when trimming is off. Engine 0's first worker: with data parallelism the others keep theirs."""
+        results = await self.engine.collective_rpc("online_opd_trim", args=(thresholds,))
+        return next((r for r in results or [] if r is not None), None)
 
     def _log_change(self, status: dict, decision, model: CostModel, acceptance: list[float],
                     source: str) -> None:
@@ -158,7 +172,8 @@ class SpeculationPolicyLoop:
             even = break_even_taus(model, first, status["max_k"])
             figures.append(f"b {first}-{last}: K={k} (at b={first}: t(b,0)={_ms(plain)}, "
                            f"t(b,K)={_ms(model.seconds(first, k))}, tau(K)={expected_tokens(acceptance, k):.3f}, "
-                           f"break-even tau(K=1..{status['max_k']})={_taus(even)})")
+                           f"break-even tau(K=1..{status['max_k']})={_taus(even)}"
+                           + (f", trim r_b={decision.thresholds[first]:.2f}" if decision.thresholds else "") + ")")
         logger.info("speculation schedule %s -> %s%s; acceptance a_k=%s from %s; %s",
                     compress(status["lookup"]), decision.schedule,
                     " (conservative: no step with K > 0 measured yet)" if decision.is_conservative else "",

@@ -253,6 +253,10 @@ class OnlineOPDWorkerExtension:
 
         if (cap := capture.current()) is not None:
             cap.set_version(version, is_cache_reset)
+        from vllm_patches import draft_trim
+
+        if (trim := draft_trim.current()) is not None:
+            trim.reset()  # the new weights' confidences are calibrated afresh
         logger.info("drafter %s -> %s loaded in %.1f ms (checks %.1f ms)", previous, version,
                     1e3 * (loaded - checked), 1e3 * (checked - start))
         return {"ok": True, "result": "ok", "version": version, "previous": previous,
@@ -269,14 +273,27 @@ class OnlineOPDWorkerExtension:
             logger.exception("could not restore the previous drafter from %s", path)
             return False
 
+    def online_opd_trim(self, thresholds: list[float] | None = None) -> dict | None:
+        """Draft trimming (draft_trim.py): set the thresholds by batch size (index 0 unused) when given,
+        and return its figures; None when trimming is not installed in this worker."""
+        from vllm_patches import draft_trim
+
+        trim = draft_trim.current()
+        if trim is None:
+            return None
+        if thresholds is not None:
+            trim.set_thresholds(thresholds)
+        return trim.stats()
+
     def online_opd_status(self) -> dict:
         """Drafter version serving, reload counts and capture figures of this worker."""
         state = self._online_opd_state()
-        from vllm_patches import capture, dflash_context, ngram_fallback
+        from vllm_patches import capture, dflash_context, draft_trim, ngram_fallback
 
-        cap, fallback = capture.current(), ngram_fallback.current()
+        cap, fallback, trim = capture.current(), ngram_fallback.current(), draft_trim.current()
         return {"version": state["version"], "path": str(state["path"]) if state["path"] else None,
                 "pinned_current": state["pinned_current"], "reloads": dict(state["reloads"]),
                 "capture": cap.stats() if cap is not None else None,
                 "ngram_fallback": fallback.stats() if fallback is not None else None,
+                "draft_trim": trim.stats() if trim is not None else None,
                 "deferred_context": dflash_context.stats(getattr(self.model_runner, "drafter", None))}

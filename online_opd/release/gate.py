@@ -294,7 +294,7 @@ def evaluate_gate(
         if not blocks:
             continue
         expected, _ = simulate_record(target, (candidate, serving), rec, [b.anchor for b in blocks],
-                                      [len(b.draft_tokens) for b in blocks])  # [2, M]
+                                      [b.drafted_width for b in blocks])  # [2, M]
         expected = expected.double().cpu()
         sums = [sums[0] + float(expected[0].sum()), sums[1] + float(expected[1].sum())]
         n_blocks += len(blocks)

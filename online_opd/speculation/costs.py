@@ -15,13 +15,17 @@ the bootstrapped-drafter benchmark, put the fitted t(7, 1) and t(7, 2) at 1.02
 and 1.05 t(7, 0) and served K = 2 at b = 7 alone. A bucket of thousands of steps stays as measured.
 Elsewhere the model
 
-    t(b, K) = c0 + c1 b + c2 K + c3 b K
+    t(b, K, n) = c0 + c1 b + c2 K + c3 n
 
 fitted by least squares over the buckets (weight: the bucket's step count,
-capped): a fixed part per step, a part per request (the target's token and the
-drafter's context for it), a part per speculative token that does not depend on
-b (the drafter's block query) and a part per verified token (the target's
-forward over b K drafts). When the buckets cannot identify all four
+capped), n being the draft tokens the step verified (b K for untrimmed blocks;
+fewer where blocks were trimmed per request, trim.py: a bucket keeps the mean n
+of its steps): a fixed part per step, a part per request (the target's token
+and the drafter's context for it), a part per speculative token that does not
+depend on b (the drafter's block query) and a part per verified token (the
+target's forward over the drafts). A measured bucket predicts other n through
+the fit's slope: t(b, K, n) = fit(b, K, n) + w (measured - fit(b, K, n_bucket)),
+w = steps / (steps + prior_steps). When the buckets cannot identify all four
 coefficients (e.g. no step with K > 0 measured yet at two batch sizes) the
 model drops terms in the order c2, then c3; without a K term it only predicts
 K = 0 and returns None for K > 0: the cost of speculating is then unknown.
@@ -41,7 +45,7 @@ from dataclasses import dataclass
 import numpy as np
 
 #: basis terms of t(b, K), in the order the fit drops them from the end of each candidate list
-_BASES = (("1", "b", "k", "bk"), ("1", "b", "bk"), ("1", "b"), ("1",))
+_BASES = (("1", "b", "k", "n"), ("1", "b", "n"), ("1", "b"), ("1",))
 _MIN_SECONDS = 1e-6
 #: least relative cost of one speculative token: t(b, K) >= t(b, 0) (1 + MIN_DRAFT_COST K)
 MIN_DRAFT_COST = 0.02
@@ -53,6 +57,7 @@ class CostBucket:
     num_steps: int
     total_seconds: float = 0.0  # every observed step, for measured rates over a window
     total_tokens: int = 0  # output tokens those steps produced
+    drafted: float = 0.0  # mean draft tokens verified per step (same weights as ``seconds``)
 
 
 class StepCosts:
@@ -64,34 +69,41 @@ class StepCosts:
         self.alpha = alpha
         self.buckets: dict[tuple[int, int], CostBucket] = {}
 
-    def observe(self, batch_size: int, k: int, seconds: float, num_tokens: int = 0) -> None:
-        """One step of ``batch_size`` requests at ``k`` that took ``seconds`` and output ``num_tokens``."""
+    def observe(self, batch_size: int, k: int, seconds: float, num_tokens: int = 0,
+                num_drafted: int | None = None) -> None:
+        """One step of ``batch_size`` requests at ``k`` that took ``seconds``, output ``num_tokens`` and
+        verified ``num_drafted`` draft tokens (default ``batch_size * k``: no block trimmed)."""
+        drafted = batch_size * k if num_drafted is None else num_drafted
         bucket = self.buckets.get((batch_size, k))
         if bucket is None:
-            self.buckets[(batch_size, k)] = CostBucket(seconds, 1, seconds, num_tokens)
+            self.buckets[(batch_size, k)] = CostBucket(seconds, 1, seconds, num_tokens, float(drafted))
             return
         bucket.num_steps += 1
         bucket.total_seconds += seconds
         bucket.total_tokens += num_tokens
         weight = max(self.alpha, 1.0 / bucket.num_steps)  # the plain mean until 1/alpha steps
         bucket.seconds += weight * (seconds - bucket.seconds)
+        bucket.drafted += weight * (drafted - bucket.drafted)
 
     def to_rows(self) -> list[list[float]]:
-        """JSON-safe ``[[b, K, seconds, num_steps, total_seconds, total_tokens], ...]`` sorted by (b, K)."""
-        return [[b, k, v.seconds, v.num_steps, v.total_seconds, v.total_tokens]
+        """JSON-safe ``[[b, K, seconds, num_steps, total_seconds, total_tokens, drafted], ...]`` sorted by
+        (b, K)."""
+        return [[b, k, v.seconds, v.num_steps, v.total_seconds, v.total_tokens, v.drafted]
                 for (b, k), v in sorted(self.buckets.items())]
 
     @classmethod
     def from_rows(cls, rows: list[list[float]], alpha: float = 0.05) -> StepCosts:
+        """The inverse of ``to_rows``; a row without ``drafted`` (six columns) verified b K per step."""
         costs = cls(alpha)
-        for b, k, seconds, n, total_seconds, total_tokens in rows:
+        for b, k, seconds, n, total_seconds, total_tokens, *drafted in rows:
             costs.buckets[(int(b), int(k))] = CostBucket(float(seconds), int(n), float(total_seconds),
-                                                         int(total_tokens))
+                                                         int(total_tokens),
+                                                         float(drafted[0]) if drafted else float(b * k))
         return costs
 
 
-def _features(terms: tuple[str, ...], b: np.ndarray, k: np.ndarray) -> np.ndarray:
-    columns = {"1": np.ones_like(b), "b": b, "k": k, "bk": b * k}
+def _features(terms: tuple[str, ...], b: np.ndarray, k: np.ndarray, n: np.ndarray) -> np.ndarray:
+    columns = {"1": np.ones_like(b), "b": b, "k": k, "n": n}
     return np.stack([columns[t] for t in terms], axis=1)
 
 
@@ -101,20 +113,21 @@ class CostModel:
     def __init__(self, costs: StepCosts, *, min_steps: int = 8, max_weight: int = 50, prior_steps: int = 32):
         self.measured = {key: v.seconds for key, v in costs.buckets.items() if v.num_steps >= min_steps}
         self.num_steps = {key: costs.buckets[key].num_steps for key in self.measured}
+        self.drafted = {key: costs.buckets[key].drafted for key in self.measured}
         self.prior_steps = prior_steps
         self.terms: tuple[str, ...] = ()
         self.coefficients = np.zeros(0)
-        rows = [(b, k, v.seconds, min(v.num_steps, max_weight)) for (b, k), v in costs.buckets.items()]
+        rows = [(b, k, v.drafted, v.seconds, min(v.num_steps, max_weight)) for (b, k), v in costs.buckets.items()]
         for terms in _BASES:
-            usable = rows if ("k" in terms or "bk" in terms) else [r for r in rows if r[1] == 0]
+            usable = rows if ("k" in terms or "n" in terms) else [r for r in rows if r[1] == 0]
             if self._fit(terms, usable):
                 break
 
-    def _fit(self, terms: tuple[str, ...], rows: list[tuple[int, int, float, int]]) -> bool:
+    def _fit(self, terms: tuple[str, ...], rows: list[tuple[int, int, float, float, int]]) -> bool:
         if len(rows) < len(terms):
             return False
-        b, k, y, w = (np.array(c, dtype=np.float64) for c in zip(*rows))
-        x = _features(terms, b, k)
+        b, k, n, y, w = (np.array(c, dtype=np.float64) for c in zip(*rows))
+        x = _features(terms, b, k, n)
         if np.linalg.matrix_rank(x) < len(terms):
             return False
         root = np.sqrt(w)[:, None]
@@ -125,28 +138,31 @@ class CostModel:
     @property
     def knows_speculation(self) -> bool:
         """Whether t(b, K > 0) can be predicted (some K term is identified)."""
-        return "k" in self.terms or "bk" in self.terms
+        return "k" in self.terms or "n" in self.terms
 
-    def seconds(self, batch_size: int, k: int) -> float | None:
-        """Predicted seconds per step, never below the plain step's floor; None when nothing measured
-        supports it."""
-        t = self._predict(batch_size, k)
-        plain = self._predict(batch_size, 0) if k > 0 and t is not None else None
-        return t if plain is None else max(t, plain * (1.0 + MIN_DRAFT_COST * k))
+    def seconds(self, batch_size: int, k: int, drafted: float | None = None) -> float | None:
+        """Predicted seconds per step with ``drafted`` draft tokens verified (default b K: no block
+        trimmed), never below the plain step's floor; None when nothing measured supports it."""
+        n = float(batch_size * k) if drafted is None else float(drafted)
+        t = self._predict(batch_size, k, n)
+        plain = self._predict(batch_size, 0, 0.0) if k > 0 and t is not None else None
+        return t if plain is None else max(t, plain * (1.0 + MIN_DRAFT_COST * n / batch_size))
 
-    def _predict(self, batch_size: int, k: int) -> float | None:
-        fitted = self._fitted(batch_size, k)
+    def _predict(self, batch_size: int, k: int, n: float) -> float | None:
+        fitted = self._fitted(batch_size, k, n)
         if (batch_size, k) not in self.measured:
             return fitted
-        measured, n = self.measured[(batch_size, k)], self.num_steps[(batch_size, k)]
+        measured, steps = self.measured[(batch_size, k)], self.num_steps[(batch_size, k)]
         if fitted is None:
             return measured
-        return (n * measured + self.prior_steps * fitted) / (n + self.prior_steps)
+        at_bucket = self._fitted(batch_size, k, self.drafted[(batch_size, k)])
+        return max(fitted + steps / (steps + self.prior_steps) * (measured - at_bucket), _MIN_SECONDS)
 
-    def _fitted(self, batch_size: int, k: int) -> float | None:
+    def _fitted(self, batch_size: int, k: int, n: float | None = None) -> float | None:
         if not self.terms or (k > 0 and not self.knows_speculation):
             return None
-        x = _features(self.terms, np.array([float(batch_size)]), np.array([float(k)]))
+        n = float(batch_size * k) if n is None else n
+        x = _features(self.terms, np.array([float(batch_size)]), np.array([float(k)]), np.array([n]))
         return max(float((x @ self.coefficients)[0]), _MIN_SECONDS)
 
     def describe(self) -> dict[str, float]:

@@ -30,6 +30,19 @@ costs measured at b = 1 and, for the K not measured there, a prior cost ratio
 t(1, K) / t(1, 0) = 1 + ``prior_cost_per_token`` K (0.125: a K = 4 step cost 1.5
 plain steps on the 2-core CPU); it speculates only when acceptance is known to
 pay by the margin.
+
+With draft trimming (trim.py: each request verifies only the leading drafted
+tokens whose calibrated probability of being accepted exceeds r_b, the marginal
+cost of a verified token at batch size b), a step at K_max drafts a block per
+request and verifies what its confidence says pays. Given the drafter's recent
+blocks (``trim_outlook``: drafted tokens L(r) and expected accepted tokens A(r)
+per block at threshold r), the policy compares, at each b,
+
+    b (1 + A(r_b)) / t(b, K_max, n = b L(r_b))   against   b / t(b, 0)
+
+and serves K_max (trimmed at r_b) or 0, with the same margin. ``Decision.thresholds``
+carries r_b for every b (0: no trimming where the costs are unknown, so explored
+steps there measure whole blocks).
 """
 
 from __future__ import annotations
@@ -38,6 +51,7 @@ from dataclasses import dataclass, field
 from typing import Sequence
 
 from online_opd.speculation.costs import MIN_DRAFT_COST, CostModel
+from online_opd.speculation.trim import outlook_at, trim_threshold
 
 #: vLLM's ``num_speculative_tokens_per_batch_size``: inclusive batch-size ranges with their K
 Schedule = list[tuple[int, int, int]]
@@ -105,23 +119,42 @@ class Decision:
     lookup: list[int]  # [max_batch_size + 1] K by batch size (index 0 unused)
     predicted_goodput: list[float | None] = field(default_factory=list)  # [max_batch_size + 1] tokens/s
     is_conservative: bool = False  # no measured cost for K > 0: the prior decided b = 1, b > 1 got K = 0
+    thresholds: list[float] | None = None  # [max_batch_size + 1] trimming threshold r_b (with a trim outlook)
 
 
 def decide(model: CostModel | None, acceptance: Sequence[float | None], *, max_k: int, max_batch_size: int,
            current: Sequence[int] | None = None, margin: float = 0.05,
-           prior_cost_per_token: float = PRIOR_COST_PER_TOKEN) -> Decision:
-    """The schedule for batch sizes 1..max_batch_size (module docstring); ``current[b]``: K serving now."""
+           prior_cost_per_token: float = PRIOR_COST_PER_TOKEN,
+           trim_outlook: Sequence[Sequence[float]] | None = None) -> Decision:
+    """The schedule for batch sizes 1..max_batch_size (module docstring); ``current[b]``: K serving now.
+    ``trim_outlook``: the worker's ``TrimOutlook.summary`` when draft trimming is on (None: off)."""
     profile = clean_profile(acceptance, max_k)
     is_conservative = model is None or not model.knows_speculation
     lookup, goodput = [0], [None]
+    thresholds: list[float] | None = [0.0] if trim_outlook is not None else None
     for b in range(1, max_batch_size + 1):
         now = min(current[b], max_k) if current is not None and b < len(current) else 0
         seconds = _step_seconds(model, b, max_k, is_conservative, prior_cost_per_token)
+        r = trim_threshold(seconds[0], seconds[max_k], max_k) if seconds else None
+        if thresholds is not None:
+            thresholds.append(min(r, 1.0) if r is not None else 0.0)
+        trimmed = outlook_at(trim_outlook, r) if trim_outlook and r is not None and not is_conservative else None
+        if trimmed is not None:
+            drafted, accepted = trimmed
+            t_spec = model.seconds(b, max_k, drafted=b * drafted)
+            options = [b / seconds[0], b * (1.0 + accepted) / t_spec if t_spec else None]
+            serving = 1 if now > 0 else 0
+            best = 1 if options[1] is not None and options[1] > options[0] else 0
+            if best != serving and options[best] <= (1.0 + margin) * (options[serving] or 0.0):
+                best = serving
+            lookup.append(max_k if best else 0)
+            goodput.append(options[best])
+            continue
         k = choose_k(seconds, profile, current_k=now, margin=margin) if seconds else 0
         lookup.append(k)
         t = seconds[k] if seconds else None
         goodput.append(b * expected_tokens(profile, k) / t if t is not None else None)
-    return Decision(compress(lookup), lookup, goodput, is_conservative)
+    return Decision(compress(lookup), lookup, goodput, is_conservative, thresholds)
 
 
 def _step_seconds(model: CostModel | None, b: int, max_k: int, is_conservative: bool,

@@ -74,6 +74,7 @@ SEGMENT_SCHEMA = pa.schema([
         ("is_context_pure", pa.bool_()),  # absent in older segments: read as null (pure)
         ("num_plain_steps", pa.int32()),  # absent in older segments: read as null (0)
         ("proposer", pa.string()),  # absent in older segments: read as null ("drafter")
+        ("num_drafted", pa.int16()),  # absent in older segments: read as null (verified whole)
     ]))),
     ("events", pa.string()),  # JSON list: events are free-form dicts
     ("captured_at", pa.float64()),

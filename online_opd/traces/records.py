@@ -71,11 +71,25 @@ class BlockRecord:
     is_context_pure: bool = True  # the drafter's context K/V were all computed by those weights
     num_plain_steps: int = 0  # steps without a draft since the previous block (module docstring)
     proposer: str = DRAFTER  # who drafted it: the drafter, or prompt lookup ("ngram", speculation/hybrid.py)
+    # tokens the drafter drafted when the server verified fewer (draft trimming, speculation/trim.py:
+    # ``draft_tokens`` are the first of them); None = every drafted token was verified
+    num_drafted: int | None = None
 
     @property
     def is_drafters(self) -> bool:
         """Drafted by the drafter's weights (not by the ngram fallback): a block that speaks of them."""
         return self.proposer == DRAFTER
+
+    @property
+    def drafted_width(self) -> int:
+        """K' the drafter drafted this block with (a DFlash K'-block is not the first rows of a K-block)."""
+        return len(self.draft_tokens) if self.num_drafted is None else self.num_drafted
+
+    @property
+    def is_whole(self) -> bool:
+        """A drafter's block verified whole: what replay, per-version acceptance and the live check read
+        (a trimmed block's tokens are the first of a wider block, and its acceptance is the trimmed one's)."""
+        return self.is_drafters and self.num_drafted is None
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -86,6 +100,7 @@ class BlockRecord:
             "is_context_pure": self.is_context_pure,
             "num_plain_steps": self.num_plain_steps,
             "proposer": self.proposer,
+            **({"num_drafted": self.num_drafted} if self.num_drafted is not None else {}),
         }
 
     @classmethod
@@ -103,14 +118,21 @@ class BlockRecord:
         is_pure = data.get("is_context_pure")
         if is_pure is not None and not isinstance(is_pure, bool):
             raise ValueError(f"{where}.is_context_pure must be a bool or null, got {is_pure!r}")
+        draft_tokens = _token_tuple(data, "draft_tokens", where)
+        num_drafted = data.get("num_drafted")
+        if num_drafted is not None and (isinstance(num_drafted, bool) or not isinstance(num_drafted, int)
+                                        or num_drafted <= len(draft_tokens)):
+            raise ValueError(f"{where}.num_drafted must be null or an int above the {len(draft_tokens)} "
+                             f"verified draft tokens, got {num_drafted!r}")
         return cls(
             anchor=_int_field(data, "anchor", where),
-            draft_tokens=_token_tuple(data, "draft_tokens", where),
+            draft_tokens=draft_tokens,
             num_accepted=_int_field(data, "num_accepted", where),
             drafter_version=version,
             is_context_pure=True if is_pure is None else is_pure,
             num_plain_steps=_count_field(data, "num_plain_steps", where),
             proposer=DRAFTER if proposer is None else proposer,
+            num_drafted=num_drafted,
         )
 
 
@@ -185,10 +207,11 @@ def acceptance_length(num_accepted: float, num_drafts: float) -> float | None:
 
 def pure_blocks_by_version(record: SequenceRecord) -> dict[str, list[BlockRecord]]:
     """The record's pure blocks grouped by the version that drafted them, in drafting order (the
-    drafter's blocks only: an ngram-fallback block says nothing of a version's weights)."""
+    drafter's whole blocks only: an ngram-fallback block says nothing of a version's weights, and a
+    trimmed block's acceptance is the trimming's as much as theirs)."""
     out: dict[str, list[BlockRecord]] = {}
     for block in record.blocks:
-        if block.is_context_pure and block.is_drafters:
+        if block.is_context_pure and block.is_whole:
             version = record.drafter_version if block.drafter_version is None else block.drafter_version
             out.setdefault(version, []).append(block)
     return out

@@ -64,8 +64,8 @@ def objective_fn(cfg: TrainerConfig) -> Callable:
 
 def replayable_blocks(record: SequenceRecord, block_size: int) -> tuple[BlockRecord, ...]:
     """The record's logged blocks a drafter of block size K can replay: the drafter's own (not the ngram
-    fallback's), 1..K tokens long."""
-    return tuple(b for b in record.blocks if b.is_drafters and 1 <= len(b.draft_tokens) <= block_size)
+    fallback's), verified whole (not trimmed: BlockRecord.is_whole), 1..K tokens long."""
+    return tuple(b for b in record.blocks if b.is_whole and 1 <= len(b.draft_tokens) <= block_size)
 
 
 def plan_replay(target, drafter, record: SequenceRecord,
