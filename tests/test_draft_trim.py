@@ -87,36 +87,51 @@ def test_threshold_is_the_marginal_cost_of_a_verified_token_in_plain_tokens():
 
 
 def costs_model() -> CostModel:
-    """t(b, K, n) = 0.1 + 0.02 b + 0.015 n measured at b = 1, 4 and K = 0, 4 (whole blocks)."""
+    """t(b, K, n) = 0.1 + 0.02 b + 0.005 b K + 0.01 n at b = 1, 2, 4, K = 0 and 4: whole blocks at b = 2,
+    blocks trimmed to one token at b = 1 and 4 (n = b)."""
     costs = StepCosts()
-    for b in (1, 4):
-        for k in (0, 4):
-            for _ in range(10):
-                costs.observe(b, k, 0.1 + 0.02 * b + 0.015 * b * k)
+    for b, n in ((1, 1), (2, 8), (4, 4)):
+        for _ in range(10):
+            costs.observe(b, 0, 0.1 + 0.02 * b)
+            costs.observe(b, 4, 0.1 + 0.02 * b + 0.005 * b * 4 + 0.01 * n, num_drafted=n)
     return CostModel(costs)
 
 
 def test_policy_with_trimming_weighs_trimmed_blocks_against_plain_steps():
     model = costs_model()
-    # r_1 = (0.18 - 0.12) / (4 x 0.12) = 0.125 -> grid row 0.15; r_4 = 0.24 / (4 x 0.18) = 0.333 -> row 0.35
+    assert model.describe() == pytest.approx({"1": 0.1, "b": 0.02, "k": 0.0, "bk": 0.005, "n": 0.01}, abs=1e-9)
+    # r_b = (t(b, 4) - t(b, 0)) / (4 t(b, 0)) with whole blocks (0.06 b): r_1 = 0.125 -> grid row 0.15,
+    # r_4 = 0.24 / 0.72 = 0.333 -> row 0.35
     rows = [[r, 2.0, 1.0] if r <= 0.15 else [r, 0.5, 0.1] for r in OUTLOOK_GRID]
     decision = decide(model, [0.0] * 4, max_k=4, max_batch_size=4, trim_outlook=rows)
-    # b = 1: 1 x 2 / (0.12 + 0.015 x 2) = 13.3 tokens/s against 1 / 0.12 = 8.3: K = 4, trimmed at 0.125
-    # b = 4: 4 x 1.1 / (0.18 + 0.015 x 4 x 0.5) = 20.95 against 4 / 0.18 = 22.2: no speculation
+    # b = 1: 1 x 2 / (0.12 + 0.02 + 0.01 x 2) = 12.5 tokens/s against 1 / 0.12 = 8.3: K = 4, trimmed
+    # b = 4: 4 x 1.1 / (0.18 + 0.08 + 0.01 x 2) = 15.7 against 4 / 0.18 = 22.2: no speculation
     assert decision.lookup[1] == 4 and decision.lookup[4] == 0
-    assert decision.predicted_goodput[1] == pytest.approx(2 / 0.15)
+    assert decision.predicted_goodput[1] == pytest.approx(2 / 0.16)
     assert decision.thresholds[1] == pytest.approx(0.125) and decision.thresholds[4] == pytest.approx(1 / 3)
     assert decision.thresholds[0] == 0.0
-    # within the margin the serving choice stays: at b = 4 trimmed blocks accepting 1.3 per block
-    close = [[r, 0.5, 1.3] for r in OUTLOOK_GRID]  # 4 x 2.3 / 0.21 = 43.8 vs 22.2: a clear win
+    close = [[r, 0.5, 1.3] for r in OUTLOOK_GRID]  # 4 x 2.3 / 0.28 = 32.9 vs 22.2: a clear win
     assert decide(model, [0.0] * 4, max_k=4, max_batch_size=4, trim_outlook=close).lookup[4] == 4
-    even = [[r, 0.5, 0.2] for r in OUTLOOK_GRID]  # 4 x 1.2 / 0.21 = 22.86: 3% above plain's 22.2
+    even = [[r, 0.5, 0.6] for r in OUTLOOK_GRID]  # 4 x 1.6 / 0.28 = 22.86: 2.9% above plain's 22.2
     assert decide(model, [0.0] * 4, max_k=4, max_batch_size=4, trim_outlook=even, margin=0.05).lookup[4] == 0
     assert decide(model, [0.0] * 4, max_k=4, max_batch_size=4, trim_outlook=even, margin=0.05,
                   current=[0, 4, 4, 4, 4]).lookup[4] == 4
     # without trimming nothing changes: acceptance 0 never pays, and no thresholds are sent
     untrimmed = decide(model, [0.0] * 4, max_k=4, max_batch_size=4)
     assert untrimmed.lookup == [0, 0, 0, 0, 0] and untrimmed.thresholds is None
+
+
+def test_without_trimmed_steps_measured_a_trimmed_step_is_priced_as_a_whole_one():
+    costs = StepCosts()
+    for b in (1, 4):
+        for _ in range(10):
+            costs.observe(b, 0, 0.1 + 0.02 * b)
+            costs.observe(b, 4, 0.1 + 0.02 * b + 0.015 * b * 4)
+    model = CostModel(costs)
+    assert model.terms == ("1", "b", "k", "bk")  # n = b K everywhere: c4 cannot be told from c3
+    assert model.seconds(4, 4, drafted=1) == pytest.approx(model.seconds(4, 4)) == pytest.approx(0.42)
+    rows = [[r, 0.5, 1.3] for r in OUTLOOK_GRID]  # would pay at 0.28 s (above), not at 0.42 s
+    assert decide(model, [0.0] * 4, max_k=4, max_batch_size=4, trim_outlook=rows).lookup[4] == 0
 
 
 def test_policy_with_trimming_but_no_blocks_yet_decides_as_without_and_does_not_trim_unknown_costs():
@@ -127,19 +142,19 @@ def test_policy_with_trimming_but_no_blocks_yet_decides_as_without_and_does_not_
     assert conservative.thresholds == [0.0, pytest.approx(0.125), 0.0, 0.0]  # b = 1: the prior's cost
 
 
-def test_cost_model_predicts_trimmed_steps_from_the_verified_tokens():
+def test_cost_model_separates_drafting_from_verifying_once_trimmed_steps_are_measured():
     costs = StepCosts()
-    for b in (1, 4):
+    # t = 0.1 + 0.02 b + 0.003 K + 0.004 b K (drafting) + 0.015 n (verifying); trimmed at b = 1 and 4
+    for b, n in ((1, 1), (2, 8), (4, 4)):
         for _ in range(10):
             costs.observe(b, 0, 0.1 + 0.02 * b)
-            costs.observe(b, 4, 0.1 + 0.02 * b + 0.003 * 4 + 0.015 * b, num_drafted=b)  # trimmed to 1 each
-        costs.observe(b, 4, 0.1 + 0.02 * b + 0.003 * 4 + 0.015 * 4 * b)  # one whole-block step
+            costs.observe(b, 4, 0.1 + 0.02 * b + 0.003 * 4 + 0.004 * 4 * b + 0.015 * n, num_drafted=n)
     model = CostModel(costs, prior_steps=0)
-    assert model.describe() == pytest.approx({"1": 0.1, "b": 0.02, "k": 0.003, "n": 0.015}, abs=1e-6)
-    assert model.seconds(4, 4, drafted=2) == pytest.approx(0.18 + 0.012 + 0.03)
-    assert model.seconds(4, 4) == pytest.approx(0.18 + 0.012 + 0.24)  # whole blocks: n = b K
+    assert model.describe() == pytest.approx({"1": 0.1, "b": 0.02, "k": 0.003, "bk": 0.004, "n": 0.015}, abs=1e-6)
+    assert model.seconds(4, 4, drafted=2) == pytest.approx(0.18 + 0.012 + 0.064 + 0.03)
+    assert model.seconds(4, 4) == pytest.approx(0.18 + 0.012 + 0.064 + 0.24)  # whole blocks: n = b K
     row = costs.to_rows()[-1]
-    assert row[:2] == [4, 4] and row[6] == pytest.approx((10 * 4 + 16) / 11)
+    assert row[:2] == [4, 4] and row[6] == pytest.approx(4.0)
     assert StepCosts.from_rows([[2, 3, 0.5, 9, 4.5, 30]]).buckets[(2, 3)].drafted == 6.0  # six columns: b K
 
 
@@ -281,3 +296,21 @@ def test_config_and_environment(tmp_path):
     assert trim.threshold_for(1) == trim.threshold_for(32) == 0.5
     with pytest.raises(ConfigError, match="serve.draft_trim.prior"):
         load_config(None, ["serve.draft_trim.prior=0"])
+
+
+def test_metrics_show_the_trimming_counters_and_thresholds():
+    from prometheus_client import CollectorRegistry, generate_latest
+
+    from vllm_patches.metrics import PolledCollector
+
+    trim = {"blocks": 10, "trimmed_blocks": 4, "verified_blocks": 9, "drafted_tokens": 40, "kept_tokens": 28,
+            "accepted_tokens": 12, "errors": 0, "thresholds": [0.0, 0.05, 0.3]}
+    registry = CollectorRegistry()
+    registry.register(PolledCollector(lambda: {"version": "v1", "draft_trim": trim}))
+    text = generate_latest(registry).decode()
+    assert 'online_opd_draft_trim_blocks_total{kind="trimmed"} 4.0' in text
+    assert 'online_opd_draft_trim_tokens_total{kind="kept"} 28.0' in text
+    assert 'online_opd_draft_trim_threshold{batch_size="2"} 0.3' in text
+    registry = CollectorRegistry()
+    registry.register(PolledCollector(lambda: {"version": "v1", "draft_trim": None}))
+    assert "draft_trim" not in generate_latest(registry).decode()  # off: no series

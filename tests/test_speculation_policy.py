@@ -123,7 +123,7 @@ def test_cost_model_fits_the_bilinear_model_and_uses_measured_buckets():
     costs = linear_costs([(1, 0), (2, 0), (4, 0), (8, 0), (1, 4), (8, 4)])
     model = CostModel(costs)
     assert model.knows_speculation
-    assert model.describe() == pytest.approx({"1": 0.1, "b": 0.02, "k": 0.01, "n": 0.015})
+    assert model.describe() == pytest.approx({"1": 0.1, "b": 0.02, "k": 0.01, "bk": 0.015})
     assert model.seconds(4, 2) == pytest.approx(0.1 + 0.08 + 0.02 + 0.12)
     costs.observe(16, 0, 5.0)  # one step: not enough to be used as measured, but in the fit
     assert CostModel(costs, min_steps=2).seconds(16, 0) != 5.0
@@ -142,7 +142,7 @@ def test_cost_model_with_partial_measurements():
     assert one_size.describe() == pytest.approx({"1": 0.12})
     # K > 0 at one batch size only: c2 and c3 cannot both be told apart, the b K term is kept
     partial = CostModel(linear_costs([(1, 0), (4, 0), (1, 4)]), min_steps=1000)
-    assert partial.terms == ("1", "b", "n")
+    assert partial.terms == ("1", "b", "bk")
     assert partial.seconds(1, 4) == pytest.approx(0.12 + 0.04 + 0.06)
 
 

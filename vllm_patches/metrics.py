@@ -103,6 +103,9 @@ class PolledCollector(Collector):
         fallback = status.get("ngram_fallback")
         if fallback:
             yield from _ngram_fallback_families(fallback)
+        trim = status.get("draft_trim")
+        if trim:
+            yield from _draft_trim_families(trim)
 
 
 def _ngram_fallback_families(fallback: dict):
@@ -118,6 +121,32 @@ def _ngram_fallback_families(fallback: dict):
         family = CounterMetricFamily(f"{PREFIX}_ngram_fallback_{key}", doc)
         family.add_metric([], float(fallback.get(key) or 0))
         yield family
+
+
+def _draft_trim_families(trim: dict):
+    """``online_opd_draft_trim_*``: drafted blocks and tokens, what trimming kept, what was verified."""
+    blocks = CounterMetricFamily(f"{PREFIX}_draft_trim_blocks", "Drafter blocks with draft trimming on: "
+                                 "drafted, trimmed (cut shorter), verified (taught the calibration).",
+                                 labels=["kind"])
+    for kind, key in (("drafted", "blocks"), ("trimmed", "trimmed_blocks"), ("verified", "verified_blocks")):
+        blocks.add_metric([kind], float(trim.get(key) or 0))
+    yield blocks
+    tokens = CounterMetricFamily(f"{PREFIX}_draft_trim_tokens", "Draft tokens: drafted, kept for "
+                                 "verification, accepted (of the verified blocks).", labels=["kind"])
+    for kind, key in (("drafted", "drafted_tokens"), ("kept", "kept_tokens"), ("accepted", "accepted_tokens")):
+        tokens.add_metric([kind], float(trim.get(key) or 0))
+    yield tokens
+    errors = CounterMetricFamily(f"{PREFIX}_draft_trim_errors",
+                                 "Internal draft trimming errors (the untrimmed drafts kept; never raised).")
+    errors.add_metric([], float(trim.get("errors") or 0))
+    yield errors
+    thresholds = trim.get("thresholds") or []
+    if len(thresholds) > 1:
+        gauge = GaugeMetricFamily(f"{PREFIX}_draft_trim_threshold", "Trimming threshold r_b by batch size "
+                                  "(the last one holds above).", labels=["batch_size"])
+        for b, r in enumerate(thresholds[1:], start=1):
+            gauge.add_metric([str(b)], float(r))
+        yield gauge
 
 
 class TrainerCollector(Collector):

@@ -15,19 +15,24 @@ the bootstrapped-drafter benchmark, put the fitted t(7, 1) and t(7, 2) at 1.02
 and 1.05 t(7, 0) and served K = 2 at b = 7 alone. A bucket of thousands of steps stays as measured.
 Elsewhere the model
 
-    t(b, K, n) = c0 + c1 b + c2 K + c3 n
+    t(b, K, n) = c0 + c1 b + c2 K + c3 b K + c4 n
 
 fitted by least squares over the buckets (weight: the bucket's step count,
-capped), n being the draft tokens the step verified (b K for untrimmed blocks;
-fewer where blocks were trimmed per request, trim.py: a bucket keeps the mean n
-of its steps): a fixed part per step, a part per request (the target's token
-and the drafter's context for it), a part per speculative token that does not
-depend on b (the drafter's block query) and a part per verified token (the
-target's forward over the drafts). A measured bucket predicts other n through
+capped): a fixed part per step, a part per request (the target's token and the
+drafter's context for it), a part per speculative token that does not depend on
+b, a part per drafted token (the drafter's block query: b K tokens) and a part
+per verified token (the target's forward over the n drafts the step verified).
+Without draft trimming n = b K and the last two cannot be told apart: the fit
+then drops c4 and predicts whole blocks (a trimmed step costs as much as a whole
+one: trimming is never credited with savings nobody measured). With trimmed steps
+measured (trim.py; a bucket keeps the mean n of its steps) c4 is identified, and
+kept only when c3 and c4 come out non-negative. On the 2-core CPU the drafting
+part is large: the bootstrapped drafter's trimmed K = 4 steps at b = 32, with few
+tokens verified, cost 1.7 plain steps. A measured bucket predicts other n through
 the fit's slope: t(b, K, n) = fit(b, K, n) + w (measured - fit(b, K, n_bucket)),
-w = steps / (steps + prior_steps). When the buckets cannot identify all four
-coefficients (e.g. no step with K > 0 measured yet at two batch sizes) the
-model drops terms in the order c2, then c3; without a K term it only predicts
+w = steps / (steps + prior_steps). When the buckets cannot identify the
+coefficients (e.g. no step with K > 0 measured yet at two batch sizes) the model
+drops terms in the order c4, c2, then c3; without a K term it only predicts
 K = 0 and returns None for K > 0: the cost of speculating is then unknown.
 
 A step with K drafts does strictly more work than one without (the draft
@@ -45,7 +50,9 @@ from dataclasses import dataclass
 import numpy as np
 
 #: basis terms of t(b, K), in the order the fit drops them from the end of each candidate list
-_BASES = (("1", "b", "k", "n"), ("1", "b", "n"), ("1", "b"), ("1",))
+_BASES = (("1", "b", "k", "bk", "n"), ("1", "b", "k", "bk"), ("1", "b", "bk"), ("1", "b"), ("1",))
+#: a bucket verified whole blocks when its mean draft tokens reach this share of b K (fits without n)
+_WHOLE = 0.9
 _MIN_SECONDS = 1e-6
 #: least relative cost of one speculative token: t(b, K) >= t(b, 0) (1 + MIN_DRAFT_COST K)
 MIN_DRAFT_COST = 0.02
@@ -103,7 +110,7 @@ class StepCosts:
 
 
 def _features(terms: tuple[str, ...], b: np.ndarray, k: np.ndarray, n: np.ndarray) -> np.ndarray:
-    columns = {"1": np.ones_like(b), "b": b, "k": k, "n": n}
+    columns = {"1": np.ones_like(b), "b": b, "k": k, "bk": b * k, "n": n}
     return np.stack([columns[t] for t in terms], axis=1)
 
 
@@ -119,7 +126,13 @@ class CostModel:
         self.coefficients = np.zeros(0)
         rows = [(b, k, v.drafted, v.seconds, min(v.num_steps, max_weight)) for (b, k), v in costs.buckets.items()]
         for terms in _BASES:
-            usable = rows if ("k" in terms or "n" in terms) else [r for r in rows if r[1] == 0]
+            if "n" in terms:  # needs trimmed buckets at two (b, K) at least, else n is b K all over
+                trimmed = sum(1 for r in rows if r[1] > 0 and r[2] < _WHOLE * r[0] * r[1])
+                usable = rows if trimmed >= 2 else []
+            elif "k" in terms or "bk" in terms:  # whole blocks only: these fits read n as b K
+                usable = [r for r in rows if r[1] == 0 or r[2] >= _WHOLE * r[0] * r[1]]
+            else:
+                usable = [r for r in rows if r[1] == 0]
             if self._fit(terms, usable):
                 break
 
@@ -131,14 +144,16 @@ class CostModel:
         if np.linalg.matrix_rank(x) < len(terms):
             return False
         root = np.sqrt(w)[:, None]
-        self.coefficients = np.linalg.lstsq(x * root, y * root[:, 0], rcond=None)[0]
-        self.terms = terms
+        coefficients = np.linalg.lstsq(x * root, y * root[:, 0], rcond=None)[0]
+        if "n" in terms and min(coefficients[terms.index("bk")], coefficients[terms.index("n")]) < 0:
+            return False  # drafting and verifying cannot cost less than nothing: too little trimmed data
+        self.coefficients, self.terms = coefficients, terms
         return True
 
     @property
     def knows_speculation(self) -> bool:
         """Whether t(b, K > 0) can be predicted (some K term is identified)."""
-        return "k" in self.terms or "n" in self.terms
+        return "k" in self.terms or "bk" in self.terms
 
     def seconds(self, batch_size: int, k: int, drafted: float | None = None) -> float | None:
         """Predicted seconds per step with ``drafted`` draft tokens verified (default b K: no block
@@ -153,6 +168,8 @@ class CostModel:
         if (batch_size, k) not in self.measured:
             return fitted
         measured, steps = self.measured[(batch_size, k)], self.num_steps[(batch_size, k)]
+        if "n" not in self.terms and k > 0 and self.drafted[(batch_size, k)] < _WHOLE * batch_size * k:
+            return fitted  # a trimmed bucket says nothing of whole blocks, and n is not in the fit
         if fitted is None:
             return measured
         at_bucket = self._fitted(batch_size, k, self.drafted[(batch_size, k)])
