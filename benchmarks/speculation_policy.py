@@ -123,14 +123,33 @@ def policy_figures(server: ServerProcess, max_k: int) -> dict[str, Any]:
         "acceptance_source": spec.get("acceptance_source"), "num_changes": spec.get("num_changes"),
         "steps": spec.get("steps"), "explored_steps": spec.get("explored_steps"),
         "exploration_share": (spec["explored_steps"] / spec["steps"]) if spec.get("steps") else None,
-        "step_costs": [{"batch_size": int(b), "k": int(k), "seconds": round(s, 5), "num_steps": int(n)}
-                       for b, k, s, n, *_ in costs],
+        "step_costs": [{"batch_size": int(b), "k": int(k), "seconds": round(s, 5), "num_steps": int(n),
+                        **({"drafted": round(rest[2], 3)} if len(rest) > 2 else {})}
+                       for b, k, s, n, *rest in costs],
         "cost_model": model.describe(),
         "break_even_tau": {str(b): [None if t is None else round(t, 3) for t in break_even_taus(model, b, max_k)]
                            for b in sizes},
         "drafts_verified": metrics.get("vllm:spec_decode_num_drafts_total"),
         "draft_tokens_accepted": metrics.get("vllm:spec_decode_num_accepted_tokens_total"),
+        "draft_trim": trim_figures(status.get("draft_trim")),
     }
+
+
+def trim_figures(trim: dict | None) -> dict[str, Any] | None:
+    """Draft trimming's counters, thresholds and calibrated acceptance (serve --draft-trim), or None."""
+    if not trim:
+        return None
+    keys = ("blocks", "trimmed_blocks", "drafted_tokens", "kept_tokens", "verified_blocks", "accepted_tokens",
+            "errors", "thresholds")
+    figures = {k: trim.get(k) for k in keys}
+    cal = trim.get("calibration")
+    if cal:
+        from online_opd.speculation.trim import ConfidenceCalibration
+
+        rates = ConfidenceCalibration(cal["max_k"], cal["prior"], cal["seen"], cal["hits"]).rates()
+        figures["calibrated_acceptance"] = [[round(float(x), 3) for x in row] for row in rates]
+        figures["calibration_blocks"] = [[int(x) for x in row] for row in cal["seen"]]
+    return figures
 
 
 def fallback_figures(before: dict[str, float], after: dict[str, float]) -> dict[str, Any]:

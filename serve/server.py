@@ -189,7 +189,8 @@ def serve_env(cfg: OnlineOPDConfig, target: Path, drafter: Path, *, capture: boo
     ).model_dump_json()
     if sc.speculation == "auto":
         env[SPECULATION_ENV] = SpeculationSettings(explore_share=sc.policy_explore_share,
-                                                   explore_steps=sc.policy_explore_steps).to_env()
+                                                   explore_steps=sc.policy_explore_steps,
+                                                   time_trimmed_steps=sc.draft_trim.enabled).to_env()
     nf = sc.ngram_fallback
     if nf.enabled and sc.speculation != "never":
         env[NGRAM_FALLBACK_ENV] = nf.model_dump_json()  # read back as ngram_fallback.NgramFallbackSettings

@@ -314,3 +314,15 @@ def test_metrics_show_the_trimming_counters_and_thresholds():
     registry = CollectorRegistry()
     registry.register(PolledCollector(lambda: {"version": "v1", "draft_trim": None}))
     assert "draft_trim" not in generate_latest(registry).decode()  # off: no series
+
+
+def test_the_engine_core_times_trimmed_steps_only_with_trimming_on(tmp_path):
+    import json
+
+    from serve.server import serve_env
+    from vllm_patches import SPECULATION_ENV
+
+    on = serve_env(load_config(None, ["serve.draft_trim.enabled=true"]), Path("/models/t"), tmp_path, capture=False)
+    off = serve_env(load_config(None, []), Path("/models/t"), tmp_path, capture=False)
+    assert json.loads(on[SPECULATION_ENV])["time_trimmed_steps"] is True
+    assert json.loads(off[SPECULATION_ENV])["time_trimmed_steps"] is False

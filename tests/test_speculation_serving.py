@@ -44,8 +44,25 @@ def run(control: SpeculationControl, out, model_output, start: float, end: float
     control.on_output(out, model_output, end)
 
 
-def test_control_times_decode_steps_with_their_verified_drafts_and_counts_acceptance():
+def test_control_times_only_steady_decode_steps_and_counts_acceptance():
     control = SpeculationControl(SpeculationSettings(explore_share=0.0), [0, 2, 2], max_k=2)
+    run(control, step({"a": 9}, 2, new=True), output({"a": 1}), 0.0, 0.5)  # prefill: not timed
+    run(control, step({"a": 1}, 2), output({"a": 1}), 0.5, 0.6)  # drafts K=2, verifies none: not timed
+    run(control, step({"a": 3}, 2, {"a": 2}), output({"a": 3}), 0.6, 0.8)  # steady: 2 accepted
+    run(control, step({"a": 3, "b": 3}, 2, {"a": 2, "b": 2}), output({"a": 1, "b": 2}), 0.8, 1.1)
+    run(control, step({"a": 3, "b": 1}, 0, {"a": 2}), output({"a": 2, "b": 1}), 1.1, 1.2)  # K 2 -> 0
+    run(control, step({"a": 2, "b": 3}, 2, {"a": 1, "b": 2}), output({"a": 2, "b": 1}), 1.2, 1.5)  # a: 1 of 2
+    rows = {(r[0], r[1]): r[2:] for r in control.costs.to_rows()}
+    assert rows.keys() == {(1, 2), (2, 2)}
+    # [seconds, steps, total seconds, output tokens, mean draft tokens verified per step]
+    assert rows[(1, 2)] == pytest.approx([0.2, 1, 0.2, 3, 2.0])
+    assert rows[(2, 2)] == pytest.approx([0.3, 1, 0.3, 3, 4.0])
+    assert (control.counters["steps"], control.counters["timed_steps"]) == (6, 2)
+
+
+def test_control_with_draft_trimming_times_decode_steps_with_their_verified_drafts():
+    control = SpeculationControl(SpeculationSettings(explore_share=0.0, time_trimmed_steps=True), [0, 2, 2],
+                                 max_k=2)
     run(control, step({"a": 9}, 2, new=True), output({"a": 1}), 0.0, 0.5)  # prefill: not timed
     run(control, step({"a": 1}, 2), output({"a": 1}), 0.5, 0.6)  # drafts K=2, verifies none (n = 0)
     run(control, step({"a": 3}, 2, {"a": 2}), output({"a": 3}), 0.6, 0.8)  # steady: 2 accepted
@@ -365,7 +382,8 @@ def test_serve_argv_and_env_per_speculation_mode(tmp_path):
                                             *overrides]), target, fresh, capture=False)
 
     auto = env()
-    assert json.loads(auto[SPECULATION_ENV]) == {"explore_share": 0.01, "explore_steps": 3, "cost_alpha": 0.05}
+    assert json.loads(auto[SPECULATION_ENV]) == {"explore_share": 0.01, "explore_steps": 3, "cost_alpha": 0.05,
+                                                 "time_trimmed_steps": False}
     assert EndpointSettings.model_validate_json(auto[SERVE_ENV]).policy.interval_s == 2.0
     for mode in ("always", "never"):
         other = env(f"serve.speculation={mode}")

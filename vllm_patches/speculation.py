@@ -18,10 +18,11 @@ lookup exists) and sets ``ONLINE_OPD_SPECULATION``; then ``install`` (called by
   update_from_output: the step's wall time, the worker's forward, drafting and
   sampling included) and bucket them by (b = requests in the step, K), with
   the draft tokens verified (n). Only steady decode steps are timed: no
-  prefill, every request verifies at most K drafts (fewer where its block was
-  trimmed, draft_trim.py, none in the first step after K rose) while K more
-  are drafted; the last step of a fall of K (the old K's drafts verified) is
-  left out. From the same two calls it counts, per verified block, its
+  prefill, and every request verifies exactly K drafts while K more are
+  drafted (the first and last step of a change of K are left out); with draft
+  trimming on (``time_trimmed_steps``, draft_trim.py) every request verifies at
+  most K, fewer where its block was trimmed, and the bucket's mean n tells the
+  cost model what was verified. From the same two calls it counts, per verified block, its
   length and accepted count (``AcceptanceCounts``).
 - skips, after a step that drafted nothing (K = 0), the engine core's request
   for the step's drafts (``post_step``: a round trip to the worker that would
@@ -68,6 +69,8 @@ class SpeculationSettings(BaseModel):
     explore_share: float = Field(0.01, ge=0, le=0.5)
     explore_steps: int = Field(3, ge=2)
     cost_alpha: float = Field(0.05, gt=0, le=1)
+    # draft trimming on (draft_trim.py): also time decode steps whose requests verify fewer than K drafts
+    time_trimmed_steps: bool = False
 
     def to_env(self) -> str:
         return self.model_dump_json()
@@ -132,8 +135,10 @@ class SpeculationControl:
         k = self.last_k = out.num_spec_tokens_to_schedule
         spec = out.scheduled_spec_decode_tokens
         verified = {rid: len(spec.get(rid, ())) for rid in sizes}
+        whole = not self.settings.time_trimmed_steps
         is_steady = not out.scheduled_new_reqs and all(
-            n == 1 + verified[rid] and verified[rid] <= k for rid, n in sizes.items())
+            n == 1 + verified[rid] and (verified[rid] == k if whole else verified[rid] <= k)
+            for rid, n in sizes.items())
         if len(self._pending) > 64:  # outputs never handed back (an engine error): forget them
             self._pending.clear()
         self._pending[id(out)] = (start, len(sizes), k, is_steady, sum(verified.values()))
