@@ -204,7 +204,8 @@ def install(settings: DraftTrimSettings) -> DraftTrim:
     if _TRIM is not None:
         return _TRIM
     from vllm.v1.spec_decode.dflash import DFlashProposer
-    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    from vllm_patches.propose_hook import wrap_propose
 
     trim = _TRIM = DraftTrim(settings)
     orig_sample = DFlashProposer._greedy_sample
@@ -221,25 +222,8 @@ def install(settings: DraftTrimSettings) -> DraftTrim:
             trim.error("_greedy_sample", exc)
         return logits.argmax(dim=-1)  # vLLM's own line: the same tokens
 
-    orig_propose = GPUModelRunner.propose_draft_token_ids
-    warned: list[bool] = []
-
-    def propose_draft_token_ids(self, scheduler_output, sampled_token_ids, *args, **kwargs):
-        drafts = orig_propose(self, scheduler_output, sampled_token_ids, *args, **kwargs)
-        if getattr(self, "use_async_scheduling", False):
-            if not warned:
-                warned.append(True)
-                logger.warning("online-opd draft trimming is off: this engine schedules asynchronously "
-                               "(the drafts stay on the device)")
-            return drafts
-        try:
-            return trim.on_proposed(self, scheduler_output, sampled_token_ids, drafts)
-        except Exception as exc:
-            trim.error("propose_draft_token_ids", exc)
-            return drafts
-
     DFlashProposer._greedy_sample = _greedy_sample
-    GPUModelRunner.propose_draft_token_ids = propose_draft_token_ids
+    wrap_propose(trim, logger, "draft trimming")
     logger.info("online-opd draft trimming installed: calibration prior %.1f blocks per bin, outlook of %d "
                 "blocks", settings.prior, settings.outlook_blocks)
     return trim

@@ -153,27 +153,10 @@ def install(settings: NgramFallbackSettings) -> NgramFallback:
     global _FALLBACK
     if _FALLBACK is not None:
         return _FALLBACK
-    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+    from vllm_patches.propose_hook import wrap_propose
 
     fallback = _FALLBACK = NgramFallback(settings)
-    orig = GPUModelRunner.propose_draft_token_ids
-    warned: list[bool] = []
-
-    def propose_draft_token_ids(self, scheduler_output, sampled_token_ids, *args, **kwargs):
-        drafts = orig(self, scheduler_output, sampled_token_ids, *args, **kwargs)
-        if getattr(self, "use_async_scheduling", False):
-            if not warned:
-                warned.append(True)
-                logger.warning("online-opd ngram fallback is off: this engine schedules asynchronously "
-                               "(the next step is scheduled before drafts could be replaced)")
-            return drafts
-        try:
-            return fallback.on_proposed(self, scheduler_output, sampled_token_ids, drafts)
-        except Exception as exc:
-            fallback.error("propose_draft_token_ids", exc)
-            return drafts
-
-    GPUModelRunner.propose_draft_token_ids = propose_draft_token_ids
+    wrap_propose(fallback, logger, "ngram fallback")
     logger.info("online-opd ngram fallback installed: prompt lookup %d-%d, a losing proposer retried every "
                 "%d matches", settings.prompt_lookup_min, settings.prompt_lookup_max, settings.explore_every)
     return fallback
