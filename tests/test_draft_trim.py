@@ -253,7 +253,7 @@ def test_trimmed_blocks_round_trip_pass_fidelity_and_stay_out_of_replay_and_vers
 
 
 def test_policy_loop_sends_the_thresholds_to_the_worker():
-    from tests.test_speculation_serving import FakeEngineClient, fake_engine_core, feed
+    from tests.helpers.speculation import FakeEngineClient, fake_engine_core, feed
     from vllm_patches.speculation import set_speculation
     from vllm_patches.speculation_loop import PolicySettings, SpeculationPolicyLoop
 

@@ -17,31 +17,13 @@ from online_opd.config import load_config
 from online_opd.models.drafters.checkpoint import save_drafter
 from online_opd.speculation.acceptance import AcceptanceCounts, estimate_acceptance
 from serve.server import serve_env, vllm_argv
+from tests.helpers.speculation import FakeEngineClient, fake_engine_core, feed, output, run, step
 from tests.tiny import tiny_drafter
 from vllm_patches import SPECULATION_ENV
 from vllm_patches.endpoint import SERVE_ENV, EndpointSettings
 from vllm_patches.metrics import SpeculationCollector, batch_size_bucket
 from vllm_patches.speculation import SpeculationControl, SpeculationSettings, set_speculation
 from vllm_patches.speculation_loop import PolicySettings, SpeculationPolicyLoop, window_rates
-
-
-def step(sizes: dict[str, int], k: int, drafts: dict[str, int] | None = None, new: bool = False):
-    """A SchedulerOutput's fields the control reads: request -> scheduled tokens, K, drafts verified."""
-    spec = {rid: [7] * n for rid, n in (drafts or {}).items()}
-    return SimpleNamespace(num_scheduled_tokens=sizes, num_spec_tokens_to_schedule=k,
-                           scheduled_spec_decode_tokens=spec, scheduled_new_reqs=[object()] if new else [])
-
-
-def output(sampled: dict[str, int]):
-    """A ModelRunnerOutput: request -> number of tokens sampled this step."""
-    ids = list(sampled)
-    return SimpleNamespace(req_id_to_index={r: i for i, r in enumerate(ids)},
-                           sampled_token_ids=[[1] * sampled[r] for r in ids])
-
-
-def run(control: SpeculationControl, out, model_output, start: float, end: float) -> None:
-    control.on_scheduled(out, start)
-    control.on_output(out, model_output, end)
 
 
 def test_control_times_only_steady_decode_steps_and_counts_acceptance():
@@ -160,12 +142,6 @@ def test_policy_loop_explores_more_until_acceptance_is_measured_live(caplog):
     assert PolicySettings(explore_share=0.1, explore_share_unmeasured=0.05).explore_share_for(False) == 0.1
 
 
-def fake_engine_core(lookup: list[int], max_k: int = 4):
-    scheduler = SimpleNamespace(dynamic_sd_lookup=lookup, num_spec_tokens=max_k,
-                                scheduler_config=SimpleNamespace(max_num_seqs=len(lookup) - 1))
-    return SimpleNamespace(scheduler=scheduler)
-
-
 def test_set_speculation_swaps_the_lookup_and_refuses_bad_schedules():
     core = fake_engine_core([0, 0, 0, 0, 0])
     before = core.scheduler.dynamic_sd_lookup
@@ -197,42 +173,6 @@ def test_set_speculation_during_exploration_takes_effect_after_the_burst():
     control.on_scheduled(step({"a": 1}, 4), 0.0)
     control.on_scheduled(step({"a": 1}, 4), 1.0)
     assert control.lookup_for_step() == [0, 2, 0]
-
-
-class FakeEngineClient:
-    """The engine client's utility call, answered by a real SpeculationControl in a fake engine core."""
-
-    def __init__(self, core, trim=None):
-        self.core = core
-        self.trim = trim  # a real draft_trim.DraftTrim standing for the worker's, or None (not installed)
-        self.calls: list[tuple] = []
-        self.rpc_calls: list[tuple] = []
-        self.engine_core = self
-
-    async def collective_rpc(self, method: str, args: tuple = ()):
-        """The worker extension's ``online_opd_trim``, one worker."""
-        assert method == "online_opd_trim", method
-        self.rpc_calls.append((method, *args))
-        if self.trim is None:
-            return [None]
-        if args and args[0] is not None:
-            self.trim.set_thresholds(args[0])
-        return [self.trim.stats()]
-
-    async def call_utility_async(self, method: str, *args):
-        from vllm_patches.speculation import speculation_status
-
-        self.calls.append((method, *args))
-        return set_speculation(self.core, *args) if method == "online_opd_set_speculation" \
-            else speculation_status(self.core)
-
-
-def feed(control: SpeculationControl, b: int, k: int, seconds: float, num: int, accepted: int = 0) -> None:
-    for i in range(num):
-        sizes = {f"r{j}": 1 + k for j in range(b)}
-        out = step(sizes, k, {r: k for r in sizes} if k else None)
-        start = control._last_end + 1.0  # idle between steps: each step's own time is timed
-        run(control, out, output({r: 1 + accepted for r in sizes}), start, start + seconds)
 
 
 def test_policy_loop_turns_speculation_off_where_it_does_not_pay_and_on_where_it_does():
