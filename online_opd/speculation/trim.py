@@ -5,8 +5,9 @@ whatever its fate, so at batch size 8 or 32 a whole K-block pays only where its 
 accepted, and one K per batch size (policy.py) must average over confident and hopeless blocks.
 The drafter knows which is which: the top softmax probability of each drafted position orders its
 acceptance and is close to it (benchmarks/draft_confidence.py, held-out ShareGPT: position-1 bins of
-0.1 accept 2-12 points below their mean confidence, which the calibration below learns). So each request's block is cut to the leading tokens whose estimated probability of all
-being accepted exceeds the batch size's threshold r_b:
+0.1 accept 2-12 points below their mean confidence, which the calibration below learns). So each
+request's block is cut to the leading tokens whose estimated probability of all being accepted
+exceeds the batch size's threshold r_b:
 
     L = #{k : prod_{j <= k} p_j > r_b},  p_j = calibrated acceptance of position j at its confidence
 
