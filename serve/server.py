@@ -184,7 +184,8 @@ def serve_env(cfg: OnlineOPDConfig, target: Path, drafter: Path, *, capture: boo
         rollback_tolerance=sc.rollback_tolerance, trainer_stats_file=str(trainer_stats_path(cfg)),
         policy=PolicySettings(interval_s=sc.policy_interval_s, margin=sc.policy_margin,
                               min_drafts=sc.policy_min_drafts, explore_share=sc.policy_explore_share,
-                              explore_share_unmeasured=sc.policy_explore_share_unmeasured)
+                              explore_share_unmeasured=sc.policy_explore_share_unmeasured,
+                              draft_trim=sc.draft_trim.enabled)
         if sc.speculation == "auto" else None,
     ).model_dump_json()
     if sc.speculation == "auto":

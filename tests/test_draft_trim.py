@@ -202,6 +202,7 @@ def test_worker_trims_blocks_per_request_and_learns_from_their_verification(monk
     assert out == [[11, 12], []]
     stats = trim.stats()
     assert stats["thresholds"] == [0.0, 0.9, 0.9] and len(stats["outlook"]) == len(OUTLOOK_GRID)
+    assert "outlook" not in trim.stats(with_outlook=False)  # the engine status's polls skip it
     with pytest.raises(ValueError, match="thresholds must be in"):
         trim.set_thresholds([0.0, 1.5])
     # K = 0 (no drafts): nothing pending, no widths; a reload resets the calibration
@@ -265,15 +266,19 @@ def test_policy_loop_sends_the_thresholds_to_the_worker():
         feed(control, b, 4, 0.1 + 0.02 * b + 0.06 * b, 10)
     trim = DraftTrim(DraftTrimSettings(enabled=True))
     client = FakeEngineClient(core, trim=trim)
-    loop = SpeculationPolicyLoop(client, PolicySettings(min_drafts=8), lambda: ("v0001", None))
+    loop = SpeculationPolicyLoop(client, PolicySettings(min_drafts=8, draft_trim=True), lambda: ("v0001", None))
     state = asyncio.run(loop.update())
     assert trim.thresholds[1] == pytest.approx(0.06 / (4 * 0.12)) and len(trim.thresholds) == 5
     assert state["draft_trim"]["thresholds"] == trim.thresholds
     assert client.rpc_calls[0] == ("online_opd_trim", None) and client.rpc_calls[1][1] == trim.thresholds
     asyncio.run(loop.update())  # the same thresholds: read only
     assert client.rpc_calls[2:] == [("online_opd_trim", None)]
-    off = FakeEngineClient(core)  # trimming not installed: the worker answers None
+    off = FakeEngineClient(core)  # trimming off: no worker RPC at all
     assert asyncio.run(SpeculationPolicyLoop(off, PolicySettings(), lambda: ("v", None)).update())["draft_trim"] is None
+    assert off.rpc_calls == []
+    missing = FakeEngineClient(core)  # on in the config but not installed in the worker: it answers None
+    loop = SpeculationPolicyLoop(missing, PolicySettings(draft_trim=True), lambda: ("v", None))
+    assert asyncio.run(loop.update())["draft_trim"] is None and missing.rpc_calls == [("online_opd_trim", None)]
 
 
 def test_config_and_environment(tmp_path):

@@ -1,8 +1,8 @@
 """Draft trimming inside vLLM's worker: each request verifies only the drafted tokens likely to pay.
 
 ``online-opd serve`` with ``serve.draft_trim.enabled`` (and ``--speculation auto``, whose policy loop
-sets the thresholds, or a fixed ``serve.draft_trim.threshold``) sets ``ONLINE_OPD_DRAFT_TRIM``; then ``install`` (``register``, in every vLLM
-process; it acts in the worker) wraps:
+sets the thresholds, or a fixed ``serve.draft_trim.threshold``) sets ``ONLINE_OPD_DRAFT_TRIM``; then
+``install`` (``register``, in every vLLM process; it acts in the worker) wraps:
 
 - ``DFlashProposer._greedy_sample``: the same ``compute_logits(...).argmax(-1)`` vLLM runs (the same
   tokens), plus each drafted position's confidence, its top softmax probability, kept on the
@@ -21,8 +21,8 @@ process; it acts in the worker) wraps:
 ``collective_rpc``) sets the thresholds by batch size and returns the figures: counters, the
 calibration, and the outlook (drafted and accepted tokens per block at each threshold, from the
 recent untrimmed blocks' confidences) with which the policy decides whether speculating pays. Until
-the first call nothing is trimmed; a configured ``threshold`` holds at every batch size instead. A reload resets the calibration (``reset``): a new version's
-confidences mean something else.
+the first call nothing is trimmed; a configured ``threshold`` holds at every batch size instead. A
+reload resets the calibration (``reset``): a new version's confidences mean something else.
 
 Output is unchanged: the target verifies every token kept, and a kept prefix is the drafter's own.
 Nothing here raises into vLLM: errors are logged once and counted, and the untrimmed drafts stay.
@@ -163,12 +163,16 @@ class DraftTrim:
             self.counters["verified_blocks"] += 1
             self.counters["accepted_tokens"] += r
 
-    def stats(self) -> dict:
+    def stats(self, with_outlook: bool = True) -> dict:
+        """Counters, thresholds, calibration; the outlook (the policy's input, computed over the recent
+        blocks) only when asked: the engine status polls every few seconds between steps."""
         cal = self.calibration
-        return {**self.counters, "thresholds": self.thresholds, "settings": self.settings.model_dump(),
-                "calibration": cal.to_dict() if cal is not None else None,
-                "outlook": self.outlook.summary(cal) if cal is not None else [],
-                "outlook_blocks": len(self.outlook.blocks)}
+        out = {**self.counters, "thresholds": self.thresholds, "settings": self.settings.model_dump(),
+               "calibration": cal.to_dict() if cal is not None else None,
+               "outlook_blocks": len(self.outlook.blocks)}
+        if with_outlook:
+            out["outlook"] = self.outlook.summary(cal) if cal is not None else []
+        return out
 
     def error(self, where: str, exc: BaseException) -> None:
         self.counters["errors"] += 1

@@ -55,6 +55,9 @@ class PolicySettings(BaseModel):
     explore_share: float = Field(0.01, ge=0, le=0.5)
     # while the serving version's acceptance is not measured live (a fresh server, after each reload)
     explore_share_unmeasured: float = Field(0.01, ge=0, le=0.5)
+    # serve.draft_trim.enabled: read the worker's trimming outlook and send it thresholds (one worker RPC
+    # per update; none without trimming)
+    draft_trim: bool = False
 
     def explore_share_for(self, is_measured: bool) -> float:
         """The exploration share: the configured one once acceptance is measured live, else the higher
@@ -131,7 +134,7 @@ class SpeculationPolicyLoop:
                                                  max_k=status["max_k"], min_drafts=self.settings.min_drafts)
         model = CostModel(StepCosts.from_rows(status["costs"]), min_steps=self.settings.min_steps,
                           prior_steps=self.settings.prior_steps)
-        trim = await self._trim_status()
+        trim = await self._trim_status() if self.settings.draft_trim else None
         decision = decide(model, acceptance, max_k=status["max_k"], max_batch_size=status["max_batch_size"],
                           current=status["lookup"], margin=self.settings.margin,
                           trim_outlook=trim.get("outlook") if trim is not None else None)

@@ -295,5 +295,5 @@ class OnlineOPDWorkerExtension:
                 "pinned_current": state["pinned_current"], "reloads": dict(state["reloads"]),
                 "capture": cap.stats() if cap is not None else None,
                 "ngram_fallback": fallback.stats() if fallback is not None else None,
-                "draft_trim": trim.stats() if trim is not None else None,
+                "draft_trim": trim.stats(with_outlook=False) if trim is not None else None,
                 "deferred_context": dflash_context.stats(getattr(self.model_runner, "drafter", None))}

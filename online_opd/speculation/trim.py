@@ -118,23 +118,25 @@ class TrimOutlook:
     def expected(self, calibration: ConfidenceCalibration, threshold: float) -> tuple[float, float] | None:
         """(drafted, accepted) tokens per block when trimming at ``threshold``; None without blocks.
         Accepted = sum of the kept positions' survival (the calibration's expectation)."""
-        if not self.blocks:
-            return None
-        width = min(len(b) for b in self.blocks)
-        conf = np.stack([b[:width] for b in self.blocks])
-        survival = calibration.survival(conf)
-        kept = survival > threshold
-        return float(kept.sum(axis=1).mean()), float((survival * kept).sum(axis=1).mean())
+        rows = self._at(calibration, [threshold])
+        return (rows[0][1], rows[0][2]) if rows else None
 
     def summary(self, calibration: ConfidenceCalibration) -> list[list[float]]:
         """``[[threshold, drafted, accepted], ...]`` over OUTLOOK_GRID (empty without blocks)."""
-        rows = []
-        for r in OUTLOOK_GRID:
-            figures = self.expected(calibration, r)
-            if figures is None:
-                return []
-            rows.append([r, round(figures[0], 4), round(figures[1], 4)])
-        return rows
+        return [[r, round(drafted, 4), round(accepted, 4)]
+                for r, drafted, accepted in self._at(calibration, OUTLOOK_GRID)]
+
+    def _at(self, calibration: ConfidenceCalibration,
+            thresholds: Sequence[float]) -> list[tuple[float, float, float]]:
+        if not self.blocks:
+            return []
+        width = min(len(b) for b in self.blocks)
+        survival = calibration.survival(np.stack([b[:width] for b in self.blocks]))  # once for every threshold
+        out = []
+        for r in thresholds:
+            kept = survival > r
+            out.append((r, float(kept.sum(axis=1).mean()), float((survival * kept).sum(axis=1).mean())))
+        return out
 
 
 def outlook_at(summary: Sequence[Sequence[float]], threshold: float) -> tuple[float, float] | None:
