@@ -161,11 +161,12 @@ def test_cost_model_separates_drafting_from_verifying_once_trimmed_steps_are_mea
 # -------------------------------------------------------------------------------------- worker hook
 
 
-def test_draft_confidence_is_the_top_probability_over_the_draft_vocabulary():
-    logits = torch.tensor([[2.0, 0.0, 1.0, float("-inf")], [0.0, 0.0, 0.0, 0.0]])
-    full = torch.softmax(torch.tensor([[2.0, 0.0, 1.0], [0.0, 0.0, 0.0]]), -1).max(-1).values
-    assert draft_confidence(logits[:, :3], None).tolist() == pytest.approx(full.tolist())
-    assert draft_confidence(logits, torch.tensor([0, 1, 2])).tolist() == pytest.approx(full.tolist())
+def test_draft_confidence_is_the_top_probability_over_the_draft_logits():
+    logits = torch.tensor([[2.0, 0.0, 1.0], [0.0, 0.0, 0.0]], dtype=torch.bfloat16)
+    top = torch.softmax(logits.float(), -1).max(-1).values
+    assert draft_confidence(logits).dtype == torch.float32
+    assert draft_confidence(logits).tolist() == pytest.approx(top.tolist())
+    assert draft_confidence(logits).tolist() == pytest.approx([0.6652, 1 / 3], abs=1e-4)
 
 
 def fake_runner(req_ids: list[str], confidence: torch.Tensor, k: int = 3):

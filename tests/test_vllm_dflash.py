@@ -20,7 +20,8 @@ def test_vllm_drafts_what_the_trainer_drafts(tmp_path, variant):
     Every block vLLM drafts (recorded in the worker) equals our greedy block
     at the same anchor; anchors advance by accepted + 1; vLLM's accepted count
     equals the count predicted from those blocks; output stays the target's. "dflash-reduced"
-    drafts over a 256-token vocabulary: vLLM loads the saved head rows and d2t map."""
+    drafts over a 256-token vocabulary: vLLM loads the saved head rows and d2t map, and drafts take
+    their argmax over the draft vocabulary as online-opd serve installs it (draft_sample.py)."""
     from online_opd.models.target import ensure_embedded_target
 
     target = ensure_embedded_target()
@@ -32,6 +33,7 @@ def test_vllm_drafts_what_the_trainer_drafts(tmp_path, variant):
     result = json.loads((tmp_path / "result.json").read_text())
     assert result["info"]["proposer"] == "DFlashProposer"
     assert result["info"]["model"] == "DFlashQwen3ForCausalLM"
+    assert result["info"]["draft_space_argmax"] == (variant == "dflash-reduced")  # draft_sample.py
     assert result["info"]["aux_layers"] == result["config_aux_ids"]
     vocab = 256 if variant == "dflash-reduced" else None
     assert result["draft_vocab_size"] == vocab

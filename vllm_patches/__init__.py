@@ -10,7 +10,9 @@
   (``online-opd serve --speculation auto``) it installs the speculation control
   (``speculation.py``: the runtime K schedule, step costs, exploration). In every
   online-opd serve process (any of those variables set) a step without drafts is
-  sampled by the plain sampler, not the rejection sampler (``zero_draft.py``). With
+  sampled by the plain sampler, not the rejection sampler (``zero_draft.py``), and a
+  DFlash drafter with a draft vocabulary takes its argmax over that vocabulary, not
+  over a -inf-filled copy of the target's (``draft_sample.py``). With
   ``ONLINE_OPD_NGRAM_FALLBACK`` (``serve.ngram_fallback.enabled``) it installs the
   ngram fallback (``ngram_fallback.py``: prompt lookup replaces the drafter's block
   where it pays, in the worker). With ``ONLINE_OPD_DRAFT_TRIM``
@@ -108,9 +110,10 @@ def register() -> None:
                                              DRAFT_TRIM_ENV)):
         own_log_handler()  # a process vLLM spawned for online-opd serve has none yet
         check_vllm_version()
-        from vllm_patches import zero_draft
+        from vllm_patches import draft_sample, zero_draft
 
         zero_draft.install()  # in the worker: a step without drafts skips the rejection sampler
+        draft_sample.install()  # in the worker: DFlash drafts argmaxed over the draft vocabulary
     if os.environ.get(SPECULATION_ENV):
         check_vllm_version()
         from vllm_patches import speculation

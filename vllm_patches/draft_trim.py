@@ -4,10 +4,9 @@
 sets the thresholds, or a fixed ``serve.draft_trim.threshold``) sets ``ONLINE_OPD_DRAFT_TRIM``; then
 ``install`` (``register``, in every vLLM process; it acts in the worker) wraps:
 
-- ``DFlashProposer._greedy_sample``: the same ``compute_logits(...).argmax(-1)`` vLLM runs (the same
-  tokens), plus each drafted position's confidence, its top softmax probability, kept on the
-  proposer for this step (over the draft vocabulary's columns when the drafter has one: the other
-  columns are -inf);
+- ``DFlashProposer._greedy_sample`` (through ``draft_sample.py``'s observer: the same tokens): each
+  drafted position's confidence, its top softmax probability over the drafter's own vocabulary,
+  kept on the proposer for this step;
 - the V1 model runner's ``propose_draft_token_ids`` (outside the ngram fallback's wrapper, when both
   are on): each request's block is cut to the leading tokens whose calibrated probability of all
   being accepted exceeds the threshold of this step's batch size (online_opd/speculation/trim.py),
@@ -47,25 +46,11 @@ DraftTrimSettings = DraftTrimConfig
 _CONFIDENCE = "_online_opd_draft_confidence"
 
 
-def draft_confidence(logits: torch.Tensor, draft_ids: torch.Tensor | None) -> torch.Tensor:
-    """[rows] top softmax probability of each row; ``draft_ids``: the target ids of a reduced draft
-    vocabulary (the only finite columns), else None (every column)."""
-    x = logits if draft_ids is None else logits.index_select(1, draft_ids)
-    x = x.float()
+def draft_confidence(logits: torch.Tensor) -> torch.Tensor:
+    """[rows] top softmax probability of each row of draft-space logits (``draft_sample.py``: the
+    draft vocabulary's columns only, where the drafter has one)."""
+    x = logits.float()
     return torch.exp(x.max(dim=-1).values - torch.logsumexp(x, dim=-1))
-
-
-def _draft_ids(proposer: Any) -> torch.Tensor | None:
-    """Target ids of the drafter's draft vocabulary (vLLM's ``draft_id_to_target_id`` offsets)."""
-    model = getattr(proposer, "model", None)
-    d2t = getattr(model, "draft_id_to_target_id", None)
-    if d2t is None:
-        return None
-    cached = getattr(proposer, "_online_opd_draft_ids", None)
-    if cached is None or cached.shape != d2t.shape or cached.device != d2t.device:
-        cached = torch.arange(d2t.shape[0], device=d2t.device) + d2t
-        proposer._online_opd_draft_ids = cached
-    return cached
 
 
 class DraftTrim:
@@ -207,26 +192,20 @@ def install(settings: DraftTrimSettings) -> DraftTrim:
     global _TRIM
     if _TRIM is not None:
         return _TRIM
-    from vllm.v1.spec_decode.dflash import DFlashProposer
-
+    from vllm_patches import draft_sample
     from vllm_patches.propose_hook import wrap_propose
 
     trim = _TRIM = DraftTrim(settings)
-    orig_sample = DFlashProposer._greedy_sample
 
-    def _greedy_sample(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        if self.use_local_argmax_reduction or self.use_heterogeneous_vocab:
-            setattr(self, _CONFIDENCE, None)
-            return orig_sample(self, hidden_states)
-        logits = self.model.compute_logits(hidden_states)
+    def observe(proposer: Any, logits: torch.Tensor | None) -> None:
         try:
-            setattr(self, _CONFIDENCE, draft_confidence(logits, _draft_ids(self)))
+            setattr(proposer, _CONFIDENCE, None if logits is None else draft_confidence(logits))
         except Exception as exc:
-            setattr(self, _CONFIDENCE, None)
+            setattr(proposer, _CONFIDENCE, None)
             trim.error("_greedy_sample", exc)
-        return logits.argmax(dim=-1)  # vLLM's own line: the same tokens
 
-    DFlashProposer._greedy_sample = _greedy_sample
+    draft_sample.install()
+    draft_sample.set_observer(observe)
     wrap_propose(trim, logger, "draft trimming")
     logger.info("online-opd draft trimming installed: calibration prior %.1f blocks per bin, outlook of %d "
                 "blocks", settings.prior, settings.outlook_blocks)

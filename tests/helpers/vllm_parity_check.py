@@ -3,7 +3,8 @@ and check, block by block, that vLLM drafts what our torch drafter drafts.
 
 Usage: python vllm_parity_check.py METHOD TARGET_DIR OUT_DIR  (writes OUT_DIR/result.json)
 METHOD: dflash, eagle3, or dflash-reduced (DFlash drafting over a 256-token draft vocabulary,
-vLLM's draft_vocab_size with the d2t map; the vocabulary holds the continuation's tokens).
+vLLM's draft_vocab_size with the d2t map; the vocabulary holds the continuation's tokens; drafts
+argmaxed over the draft vocabulary, as online-opd serve installs it: vllm_patches/draft_sample.py).
 
 A drafter is first overfit for a few Adam steps on the target's greedy
 continuation of the prompt, so that vLLM accepts some of its drafts (and
@@ -62,6 +63,7 @@ def _install_hook(worker):
     return {
         "lm_head_rows": int(getattr(getattr(drafter.model, "lm_head", None), "weight", torch.empty(0)).shape[0]),
         "proposer": type(drafter).__name__,
+        "draft_space_argmax": hasattr(type(drafter)._greedy_sample, "__wrapped__"),
         "model": type(drafter.model).__name__,
         "aux_layers": list(worker.model_runner.model.model.aux_hidden_state_layers),
     }
@@ -137,6 +139,10 @@ def main(method: str, target: str, out_dir: str) -> None:
     overfit(drafter, target_model, prompt)
     ckpt = save_drafter(drafter, out / f"{method}-drafter")
 
+    if method == "dflash-reduced":  # as online-opd serve drafts: the argmax over the draft vocabulary
+        from vllm_patches import draft_sample
+
+        draft_sample.install()
     llm = make_llm(target, dtype="float32", max_model_len=512, drafter=ckpt,
                    num_speculative_tokens=K, method=method.removesuffix("-reduced"))
     info = llm.collective_rpc(_install_hook)[0]
