@@ -35,7 +35,9 @@ ratio online-opd / plain of output tokens/s is reported per round and as the
 median. The target is >= 0.95 at every concurrency. From the online-opd
 server's admin status: the schedule the policy chose, the measured step costs
 t(b, K), the fitted cost model, the break-even tau (t(b, K) / t(b, 0)) per batch
-size, the exploration share and the drafts vLLM verified.
+size, the exploration share, the drafts vLLM verified, and the seconds of the steps
+the cost table times (steady decode) against those it does not (prefill, mixed), by
+whether they drafted.
 
     python benchmarks/speculation_policy.py --rounds 2 --out benchmarks/results/speculation_policy.json
     python benchmarks/speculation_policy.py --prompts humaneval --ngram-fallback --always \
@@ -129,6 +131,11 @@ def policy_figures(server: ServerProcess, max_k: int) -> dict[str, Any]:
         "cost_model": model.describe(),
         "break_even_tau": {str(b): [None if t is None else round(t, 3) for t in break_even_taus(model, b, max_k)]
                            for b in sizes},
+        # steps the cost table does not time (prefill, mixed), against the timed ones' seconds: the
+        # policy's predictions cover only the timed share
+        "timed_seconds": round(sum(r[4] for r in costs if len(r) > 4), 2),
+        "untimed_steps": {kind: {"steps": v[0], "seconds": round(v[1], 2), "output_tokens": v[2]}
+                          for kind, v in (spec.get("untimed") or {}).items()},
         "drafts_verified": metrics.get("vllm:spec_decode_num_drafts_total"),
         "draft_tokens_accepted": metrics.get("vllm:spec_decode_num_accepted_tokens_total"),
         "draft_trim": trim_figures(status.get("draft_trim")),

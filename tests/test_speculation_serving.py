@@ -40,6 +40,10 @@ def test_control_times_only_steady_decode_steps_and_counts_acceptance():
     assert rows[(1, 2)] == pytest.approx([0.2, 1, 0.2, 3, 2.0])
     assert rows[(2, 2)] == pytest.approx([0.3, 1, 0.3, 3, 4.0])
     assert (control.counters["steps"], control.counters["timed_steps"]) == (6, 2)
+    # the others by whether they drafted: [steps, seconds, output tokens]
+    untimed = control.status([0, 2, 2])["untimed"]
+    assert untimed["drafting"] == pytest.approx([3, 0.5 + 0.1 + 0.3, 1 + 1 + 3])
+    assert untimed["plain"] == pytest.approx([1, 0.1, 3])
 
 
 def test_control_with_draft_trimming_times_decode_steps_with_their_verified_drafts():
@@ -281,7 +285,7 @@ def test_speculation_series():
     state = {"schedule": [(1, 1, 4), (2, 32, 0)], "steps": 200, "explored_steps": 4, "timed_steps": 150,
              "costs": [[1, 0, 0.1, 10, 1, 10], [2, 0, 0.2, 10, 2, 20], [3, 0, 0.4, 30, 12, 90]],
              "measured_tokens_per_s": 9.5, "predicted_tokens_per_s": 10.0, "acceptance_used": [0.5, 0.25],
-             "num_changes": 3}
+             "num_changes": 3, "untimed": {"plain": [3, 0.75, 9], "drafting": [2, 0.5, 6]}}
     registry.register(SpeculationCollector(lambda: state))
     text = generate_latest(registry).decode()
     assert 'online_opd_spec_k{batch_size_range="1-1"} 4.0' in text
@@ -289,6 +293,7 @@ def test_speculation_series():
     assert 'online_opd_spec_step_seconds{batch_size="2-3",k="0"} 0.35' in text  # (0.2 x 10 + 0.4 x 30) / 40
     assert 'online_opd_spec_exploration_share 0.02' in text
     assert 'online_opd_spec_steps_total{kind="explored"} 4.0' in text
+    assert 'online_opd_spec_untimed_seconds_total{kind="drafting"} 0.5' in text
     assert 'online_opd_policy_measured_tokens_per_second 9.5' in text
     assert 'online_opd_policy_acceptance{position="2"} 0.25' in text
     assert [batch_size_bucket(b) for b in (1, 2, 3, 4, 31, 32)] == ["1", "2-3", "2-3", "4-7", "16-31", "32-63"]

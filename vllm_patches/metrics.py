@@ -378,6 +378,12 @@ class SpeculationCollector(Collector):
         for kind, key in (("all", "steps"), ("explored", "explored_steps"), ("timed", "timed_steps")):
             steps.add_metric([kind], float(state.get(key) or 0))
         yield steps
+        untimed = CounterMetricFamily(f"{PREFIX}_spec_untimed_seconds", "Seconds of engine steps the cost "
+                                      "table does not time (prefill, mixed, K changes), by whether they drafted: "
+                                      "the policy's predictions do not cover them.", labels=["kind"])
+        for kind, (_, seconds, _) in (state.get("untimed") or {}).items():
+            untimed.add_metric([kind], float(seconds))
+        yield untimed
         share = GaugeMetricFamily(f"{PREFIX}_spec_exploration_share", "Explored steps / all steps since start.")
         share.add_metric([], state["explored_steps"] / state["steps"] if state.get("steps") else 0.0)
         yield share

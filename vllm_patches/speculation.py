@@ -23,7 +23,9 @@ lookup exists) and sets ``ONLINE_OPD_SPECULATION``; then ``install`` (called by
   trimming on (``time_trimmed_steps``, draft_trim.py) every request verifies at
   most K, fewer where its block was trimmed, and the bucket's mean n tells the
   cost model what was verified. From the same two calls it counts, per verified block, its
-  length and accepted count (``AcceptanceCounts``).
+  length and accepted count (``AcceptanceCounts``). The steps not timed are summed by
+  whether they drafted (``untimed`` in the status: steps, seconds, output tokens):
+  the policy's predictions do not cover them.
 - skips, after a step that drafted nothing (K = 0), the engine core's request
   for the step's drafts (``post_step``: a round trip to the worker that would
   return empty lists; each request's drafts were already cleared when it was
@@ -86,6 +88,9 @@ class SpeculationControl:
         self.costs = StepCosts(settings.cost_alpha)
         self.acceptance = AcceptanceCounts()
         self.counters = {"steps": 0, "explored_steps": 0, "timed_steps": 0, "errors": 0}
+        # steps the cost table does not time (prefill chunks, mixed, first steps after a K change), by
+        # whether they drafted: [steps, seconds, output tokens]. The policy never sees their cost.
+        self.untimed = {"plain": [0, 0.0, 0], "drafting": [0, 0.0, 0]}
         self.explore_share = settings.explore_share  # the policy loop raises it while acceptance is unmeasured
         self._budget_from = (0, 0)  # (steps, explored steps) when the share last changed
         self._explore_k: int | None = None  # K of the burst in progress
@@ -154,17 +159,21 @@ class SpeculationControl:
             i = index.get(rid)
             if drafts and i is not None and i < len(sampled) and len(sampled[i]) > 0:
                 self.acceptance.observe(len(drafts), len(sampled[i]) - 1)
+        tokens = sum(len(sampled[i]) for i in index.values() if i < len(sampled))
         if is_steady:
             self.counters["timed_steps"] += 1
-            self.costs.observe(b, k, seconds, sum(len(sampled[i]) for i in index.values() if i < len(sampled)),
-                               num_drafted)
+            self.costs.observe(b, k, seconds, tokens, num_drafted)
+        else:
+            kind = self.untimed["drafting" if k > 0 else "plain"]
+            kind[0], kind[1], kind[2] = kind[0] + 1, kind[1] + seconds, kind[2] + tokens
 
     def status(self, serving_lookup: list[int] | None) -> dict:
         return {"max_k": self.max_k, "max_batch_size": max(len(self.policy_lookup) - 1, 0),
                 "lookup": list(self.policy_lookup), "serving_lookup": list(serving_lookup or []),
                 "exploring_k": self._explore_k, "costs": self.costs.to_rows(),
                 "acceptance": self.acceptance.to_dict(), "settings": self.settings.model_dump(),
-                "explore_share": self.explore_share, **self.counters}
+                "explore_share": self.explore_share, "untimed": {k: list(v) for k, v in self.untimed.items()},
+                **self.counters}
 
 
 _ERRORS_LOGGED: set[str] = set()
