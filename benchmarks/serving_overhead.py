@@ -23,7 +23,14 @@ in a cycle is its tokens/s over plain's in the same cycle; the JSON reports the
 per-cycle ratios, their median and mean with a 95% t-interval, and per server
 the engine's work over its timed blocks (`engine_work`, from vLLM's counters:
 tokens computed per output token, prefix-cache hit rate): a variant that
-computes more than plain for the same requests shows there. Idle servers
+computes more than plain for the same requests shows there. For an auto-policy
+server also its engine's step seconds in the blocks (`step_seconds`): steady
+decode steps the policy times, at K = 0 and K > 0, and the untimed ones (prefill,
+mixed) by whether they drafted, which the policy's predictions do not cover. They
+come from the admin status, which is the policy loop's last poll of the engine (a
+minute apart on an idle server here): per block they are shifted, over all blocks
+they are close. With K > 0, a decode step in which a request that just finished
+its prefill verifies no drafts yet is untimed too. Idle servers
 stay up meanwhile. An online-opd server polls its workers every
 `serve.stats_poll_s` for `serve.stats_settle_s` after its last work, and each
 poll makes an idle worker busy-wait for about a second: that would land on the
@@ -108,20 +115,44 @@ def block(server: Any, args: argparse.Namespace, seed: int) -> dict[str, Any]:
                   num_prompts=256, max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True,
                   concurrency=args.concurrency, progress=False)
     run_load(LoadConfig(**common, seed=10_000 + seed, num_requests=args.concurrency))
-    before = server.metrics()
+    before, steps_before = server.metrics(), step_seconds(server)
     summary = run_load(LoadConfig(**common, seed=seed, num_requests=args.block_requests * args.concurrency))
-    after = server.metrics()
+    after, steps_after = server.metrics(), step_seconds(server)
     out = {k: summary[k] for k in ("output_tokens_per_s", "output_tokens", "requests_ok", "requests_failed", "wall_s")}
     out.update({k: after.get(name, 0.0) - before.get(name, 0.0) for k, name in ENGINE_COUNTERS.items()})
+    if steps_before and steps_after:  # an online-opd server speculating with the auto policy
+        out["step_seconds"] = {k: round(steps_after[k] - steps_before[k], 3) for k in steps_after}
     return out
+
+
+def step_seconds(server: Any) -> dict[str, float] | None:
+    """An auto-policy server's engine step seconds so far: timed (steady decode) by K = 0 and K > 0,
+    untimed (prefill, mixed) by whether they drafted; None for other servers."""
+    if not getattr(server, "token", None):
+        return None
+    try:
+        spec = server.admin("GET", "/status").json().get("speculation") or {}
+    except Exception as exc:
+        logger.warning("%s: no engine status: %s", server.url, exc)
+        return None
+    costs, untimed = spec.get("costs") or [], spec.get("untimed") or {}
+    if not costs and not untimed:
+        return None
+    return {"timed_plain": sum(r[4] for r in costs if r[1] == 0),
+            "timed_drafting": sum(r[4] for r in costs if r[1] > 0),
+            **{f"untimed_{kind}": v[1] for kind, v in untimed.items()}}
 
 
 def engine_work(cycles: list[dict[str, Any]], name: str) -> dict[str, Any]:
     """One server's engine counters over all its timed blocks."""
     total = {k: sum(c["detail"][name][k] for c in cycles) for k in (*ENGINE_COUNTERS, "output_tokens")}
-    return {"computed_tokens": total["computed_tokens"],
-            "computed_per_output_token": round(total["computed_tokens"] / max(total["output_tokens"], 1), 4),
-            "prefix_cache_hit_rate": round(total["prefix_cache_hits"] / max(total["prefix_cache_queries"], 1), 4)}
+    out = {"computed_tokens": total["computed_tokens"],
+           "computed_per_output_token": round(total["computed_tokens"] / max(total["output_tokens"], 1), 4),
+           "prefix_cache_hit_rate": round(total["prefix_cache_hits"] / max(total["prefix_cache_queries"], 1), 4)}
+    steps = [c["detail"][name]["step_seconds"] for c in cycles if "step_seconds" in c["detail"][name]]
+    if steps:  # engine step seconds over the timed blocks, by kind (step_seconds)
+        out["step_seconds"] = {k: round(sum(s.get(k, 0.0) for s in steps), 2) for k in steps[0]}
+    return out
 
 
 def main() -> None:
