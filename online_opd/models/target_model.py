@@ -57,6 +57,11 @@ class TargetModel:
     def lm_head_weight(self) -> torch.Tensor:
         return self.model.get_output_embeddings().weight
 
+    @property
+    def vocab_size(self) -> int:
+        """The logits' width: rows of the output projection (the captured teacher's ids index them)."""
+        return self.lm_head_weight.shape[0]
+
     def _decoder_layers(self) -> torch.nn.ModuleList:
         return self.model.model.layers
 

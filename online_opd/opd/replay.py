@@ -41,13 +41,34 @@ M (K+1) query slots against T + M (K+1) keys per layer, plus M K vocab
 draft logits, which dominate for large vocabularies (chunk the blocks of a
 long sequence across calls if that is too much).
 
+Captured teacher signal. A block whose record carries the verifier's top-k
+(``BlockRecord.teacher``: vLLM computed p_{m,k} for k = 1..K_m when it verified
+the block, records.py) needs no target rows recomputed: ``teacher_logits``
+rebuilds each row from its k captured log-probabilities, the rest of the mass
+(1 - their sum) spread uniformly over the other V - k ids and floored at
+``TAIL_MASS_FLOOR``, so p > 0 wherever q has mass and the reverse KL of the
+rejected positions stays finite (the tail's shape is unknown: uniform is the
+least committal guess, and it never ranks a tail id above a captured one). Such
+a block appends nothing to the packed forward. When every block carries it, the
+target runs one plain causal forward over the T sequence tokens, for the
+drafter's aux hidden states only (no block mask, no appended tokens, no
+vocabulary projection: T tokens instead of T + M (K-1)); otherwise the packed
+forward carries the blocks without it, and its aux at the sequence positions
+is the same (sequence tokens never see appended ones). ``use_teacher=False``
+recomputes every block. The drafter side is unchanged. ``teacher_truncation``
+measures what the truncation costs against the full distribution, and
+``top_k_logprobs`` is the capture's own math on the verifier's logits
+(vllm_patches/capture.py).
+
 ``replay_sequence_naive`` is the per-block reference (one target forward
-and one drafter forward per block) used by tests and the benchmark.
+and one drafter forward per block, never the captured teacher) used by tests
+and the benchmark.
 What lives elsewhere: the loss (losses.py), records (records.py).
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -55,15 +76,105 @@ import torch
 import torch.nn.functional as F
 
 from online_opd.models.target_model import TargetModel
-from online_opd.traces.records import BlockRecord
+from online_opd.traces.records import BlockRecord, TeacherTopK
+
+TAIL_MASS_FLOOR = 1e-6  # least mass a reconstructed teacher row leaves outside its top-k (teacher_logits)
+LOGPROB_MIN = -1000.0  # top_k_logprobs' floor: a -inf log-probability, kept finite (exp is 0 all the same)
 
 
 @dataclass
 class ReplayBatch:
-    target_logits: torch.Tensor  # [M, W, vocab] p logits, no grad; W = longest block, rows k > K_m zero
+    # [M, W, vocab] p logits, no grad; W = longest block, rows k > K_m zero. float32 where some block's rows
+    # came from its captured teacher (log-probabilities), else the target's dtype
+    target_logits: torch.Tensor
     draft_logits: torch.Tensor  # [M, W, vocab] q logits, grad through the drafter; rows k > K_m zero
     num_accepted: torch.Tensor  # [M] int64 r_m
     num_drafted: torch.Tensor  # [M] int64 K_m, block m's own length (1..drafter K)
+    num_target_tokens: int = 0  # tokens the target forward(s) ran over (0 = not counted)
+
+
+def top_k_logprobs(
+    logits: torch.Tensor,  # [R, V] raw target logits, any float dtype
+    k: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(ids [R, k] int64, log-probabilities [R, k] float32, each row descending): log_softmax in float32
+    at temperature 1, then its k largest. The capture hook's math on vLLM's verifier logits
+    (vllm_patches/capture.py), so what it stores is what ``TeacherTopK.from_dict`` accepts: values are
+    clamped to [LOGPROB_MIN, 0] (log_softmax can round the top entry a hair above 0, and a logit masked
+    to -inf would give a non-finite value). NaN (a broken forward) stays NaN, and fails validation."""
+    if not 1 <= k <= logits.shape[-1]:
+        raise ValueError(f"top-k needs 1 <= k <= vocab {logits.shape[-1]}, got k={k}")
+    values, ids = torch.log_softmax(logits.float(), dim=-1).topk(k, dim=-1)  # sorted: descending
+    return ids, values.clamp_(LOGPROB_MIN, 0.0)
+
+
+def top_k_teacher(
+    logits: torch.Tensor,  # [R, V] raw target logits at a block's K_m + 1 rows
+    k: int,
+) -> TeacherTopK:
+    """The ``TeacherTopK`` the capture records for these logits (tests, the truncation benchmark)."""
+    return TeacherTopK.from_tensors(*top_k_logprobs(logits, k))
+
+
+def _reconstruct(
+    ids: torch.Tensor,  # [R, k] int64, distinct per row
+    logprobs: torch.Tensor,  # [R, k] float32 log p of those ids
+    vocab_size: int,
+) -> torch.Tensor:
+    """[R, vocab] float32 log-probabilities: the captured entries at their ids, the tail mass
+    max(1 - sum exp(logprobs), TAIL_MASS_FLOOR) spread uniformly over the other vocab - k ids (capped at
+    the row's smallest captured value: no tail id above a captured one), then renormalised (log_softmax).
+    With k = vocab there is no tail: the row is the captured one, renormalised."""
+    num_rows, k = ids.shape
+    if k > vocab_size or (ids.numel() > 0 and int(ids.max()) >= vocab_size):  # scatter_ would assert on a GPU
+        raise ValueError(f"teacher ids must lie in the target's vocabulary of {vocab_size} (k={k})")
+    others = vocab_size - k
+    if others > 0:
+        # float64: the tail is a small difference of numbers near 1
+        tail = (1.0 - logprobs.double().exp().sum(-1)).clamp_min(TAIL_MASS_FLOOR)  # [R]
+        fill = (tail.log() - math.log(others)).float()  # [R] log p of each tail id
+        fill = torch.minimum(fill, logprobs.min(-1).values)
+    else:
+        fill = logprobs.new_full((num_rows,), float("-inf"))  # every entry gets overwritten below
+    out = fill[:, None].expand(num_rows, vocab_size).contiguous()  # [R, vocab]
+    out.scatter_(1, ids, logprobs.float())
+    return torch.log_softmax(out, dim=-1)
+
+
+def teacher_logits(
+    teacher: TeacherTopK,
+    num_rows: int,
+    vocab_size: int,
+    device: torch.device | str | None = None,
+    dtype: torch.dtype = torch.float32,
+) -> torch.Tensor:
+    """[num_rows, vocab] log-probabilities of the captured teacher's first ``num_rows`` rows: the drafted
+    positions (``num_rows`` = K_m; the bonus row is trained on by no objective), rebuilt as ``_reconstruct``
+    says (module docstring). Proper log-distributions, so valid ``target_logits`` for losses.py (which
+    softmaxes them again: a no-op on log-probabilities)."""
+    if not 1 <= num_rows <= len(teacher.token_ids):
+        raise ValueError(f"num_rows must lie in 1..{len(teacher.token_ids)} (the teacher's rows), "
+                         f"got {num_rows}")
+    ids = torch.tensor(teacher.token_ids[:num_rows], dtype=torch.long, device=device)  # [R, k]
+    logprobs = torch.tensor(teacher.logprobs[:num_rows], dtype=torch.float32, device=device)  # [R, k]
+    return _reconstruct(ids, logprobs, vocab_size).to(dtype)
+
+
+def teacher_truncation(
+    full_logits: torch.Tensor,  # [R, vocab] the target's raw logits at the teacher's first R rows
+    teacher: TeacherTopK,
+) -> dict[str, torch.Tensor]:
+    """What the top-k truncation costs, per row ([R] float32 each): ``kl`` = KL(p_full || p_rebuilt), ``tv``
+    = total variation 1/2 sum |p_full - p_rebuilt|, ``captured_mass`` = sum exp(top-k) (what the k ids
+    hold; 1 - it is the tail that ``teacher_logits`` had to guess)."""
+    num_rows, vocab_size = full_logits.shape
+    log_p = torch.log_softmax(full_logits.float(), dim=-1)  # [R, vocab]
+    log_r = teacher_logits(teacher, num_rows, vocab_size, device=full_logits.device)  # [R, vocab]
+    p = log_p.exp()
+    kl = torch.where(p > 0, p * (log_p - log_r), torch.zeros_like(p)).sum(-1)
+    tv = 0.5 * (p - log_r.exp()).abs().sum(-1)
+    captured = torch.tensor(teacher.logprobs[:num_rows], dtype=torch.float32, device=full_logits.device)
+    return {"kl": kl, "tv": tv, "captured_mass": captured.exp().sum(-1)}
 
 
 def _block_tensors(
@@ -179,20 +290,70 @@ def packed_draft_logits(
     return torch.cat(parts)[inverse]
 
 
+def _captured_target(
+    target: TargetModel,
+    tokens: torch.Tensor,  # [T]
+    blocks: Sequence[BlockRecord],
+    captured: list[bool],  # [M] block m's target rows come from its teacher
+    anchors: torch.Tensor,  # [M]
+    drafts: torch.Tensor,  # [M, W]
+    num_drafted: torch.Tensor,  # [M] K_m
+    layer_ids: tuple[int, ...],
+) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """(target logits [M, W, vocab] float32 (or wider), zero in rows k > K_m; aux hidden [T, F]; tokens the
+    target ran over) when some blocks carry a captured teacher: their rows rebuilt from it (one
+    reconstruction per distinct k), the others' from a packed forward over them only, which also gives the
+    aux; with none left, a plain causal forward over the sequence for the aux alone."""
+    device, (num_blocks, width), num_tokens = tokens.device, drafts.shape, tokens.shape[0]
+    recompute = [m for m, c in enumerate(captured) if not c]
+    if recompute:
+        idx = torch.tensor(recompute, dtype=torch.long, device=device)
+        packed, aux = packed_target_forward(target, tokens, anchors[idx], drafts[idx], layer_ids,
+                                            num_drafted[idx])
+        dtype = torch.promote_types(packed.dtype, torch.float32)
+        num_tokens += sum(len(blocks[m].draft_tokens) - 1 for m in recompute)
+    else:  # an empty logits_at: no row goes through the vocabulary projection
+        aux = target.forward(tokens, layer_ids, logits_at=tokens.new_empty(0, dtype=torch.long)).aux_hidden
+        dtype = torch.float32
+    logits = torch.zeros(num_blocks, width, target.vocab_size, dtype=dtype, device=device)
+    if recompute:
+        logits[idx] = packed.to(dtype)
+    by_k: dict[int, list[tuple[int, int]]] = {}  # k -> its (block, slot) rows k = 1..K_m
+    for m, block in enumerate(blocks):
+        if captured[m]:
+            by_k.setdefault(block.teacher.top_k, []).extend((m, j) for j in range(len(block.draft_tokens)))
+    for rows in by_k.values():
+        teachers = [(blocks[m].teacher, j) for m, j in rows]
+        ids = torch.tensor([t.token_ids[j] for t, j in teachers], dtype=torch.long, device=device)  # [R, k]
+        lps = torch.tensor([t.logprobs[j] for t, j in teachers], dtype=torch.float32, device=device)  # [R, k]
+        where = torch.tensor(rows, dtype=torch.long, device=device)  # [rows, 2]
+        logits[where[:, 0], where[:, 1]] = _reconstruct(ids, lps, target.vocab_size).to(dtype)
+    return logits, aux, num_tokens
+
+
 def replay_sequence(
     target: TargetModel,
     drafter,
     tokens: torch.Tensor,  # [T] prompt + output ids
     blocks: Sequence[BlockRecord],
+    use_teacher: bool = True,
 ) -> ReplayBatch:
-    """Replay M recorded blocks of one sequence, each 1..K tokens long: one packed target forward
-    (no grad) and one packed drafter forward per distinct block length (with grad)."""
+    """Replay M recorded blocks of one sequence, each 1..K tokens long: the target's rows from the
+    verifier's captured top-k where a block carries it (``use_teacher``; module docstring), from one
+    packed target forward (no grad) for the rest, and one packed drafter forward per distinct block
+    length (with grad)."""
     anchors, drafts, num_accepted, num_drafted = _block_tensors(
         blocks, tokens.shape[0], drafter.cfg.block_size, tokens.device)
-    target_logits, aux = packed_target_forward(target, tokens, anchors, drafts, tuple(drafter.target_layer_ids),
-                                               num_drafted)
+    layer_ids = tuple(drafter.target_layer_ids)
+    captured = [use_teacher and b.teacher is not None for b in blocks]
+    if any(captured):
+        target_logits, aux, num_target_tokens = _captured_target(
+            target, tokens, blocks, captured, anchors, drafts, num_drafted, layer_ids)
+    else:
+        target_logits, aux = packed_target_forward(target, tokens, anchors, drafts, layer_ids, num_drafted)
+        num_target_tokens = tokens.shape[0] + sum(len(b.draft_tokens) - 1 for b in blocks)
     draft_logits = packed_draft_logits(drafter, aux, tokens, anchors, drafts, num_drafted)  # [M, W, vocab]
-    return ReplayBatch(target_logits, draft_logits, num_accepted, num_drafted)
+    return ReplayBatch(target_logits, draft_logits, num_accepted, num_drafted, num_target_tokens)
 
 
 def replay_sequence_naive(
@@ -216,4 +377,6 @@ def replay_sequence_naive(
         q = drafter(out.aux_hidden[: anchor + 1], anchor_t, tokens[anchor_t], tokens,
                     draft_tokens=draft[None, :length], **_length_kwargs(length, block_size))[0]
         draft_rows.append(F.pad(q, (0, 0, 0, width - length)))
-    return ReplayBatch(torch.stack(target_rows), torch.stack(draft_rows), num_accepted, num_drafted)
+    num_target_tokens = sum(b.anchor + len(b.draft_tokens) for b in blocks)  # a + 1 + K_m - 1 per block
+    return ReplayBatch(torch.stack(target_rows), torch.stack(draft_rows), num_accepted, num_drafted,
+                       num_target_tokens)

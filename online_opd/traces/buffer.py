@@ -52,7 +52,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from online_opd.files import is_temp_name
-from online_opd.traces.records import SequenceRecord, acceptance_length, pure_blocks_by_version
+from online_opd.traces.records import BlockRecord, SequenceRecord, acceptance_length, pure_blocks_by_version
 from online_opd.traces.storage import QUARANTINE_DIR, Store, StoredFile, open_store
 
 logger = logging.getLogger(__name__)
@@ -75,6 +75,10 @@ SEGMENT_SCHEMA = pa.schema([
         ("num_plain_steps", pa.int32()),  # absent in older segments: read as null (0)
         ("proposer", pa.string()),  # absent in older segments: read as null ("drafter")
         ("num_drafted", pa.int16()),  # absent in older segments: read as null (verified whole)
+        # BlockRecord.teacher's [K + 1][k] tables, float32 as captured (exact round trip);
+        # absent in older segments: read as null (no teacher signal)
+        ("teacher_ids", pa.list_(pa.list_(pa.int32()))),
+        ("teacher_logprobs", pa.list_(pa.list_(pa.float32()))),
     ]))),
     ("events", pa.string()),  # JSON list: events are free-form dicts
     ("captured_at", pa.float64()),
@@ -143,7 +147,7 @@ def encode_segment(records: Iterable[SequenceRecord]) -> bytes:
         "top_k": [r.top_k for r in records],
         "tokens": [list(r.tokens) for r in records],
         "prompt_len": [r.prompt_len for r in records],
-        "blocks": [[b.to_dict() for b in r.blocks] for r in records],
+        "blocks": [[_block_row(b) for b in r.blocks] for r in records],
         "events": [json.dumps([dict(e) for e in r.events]) for r in records],
         "captured_at": [r.captured_at for r in records],
         "replica": [r.replica for r in records],
@@ -163,8 +167,29 @@ def decode_segment(data: bytes) -> list[SequenceRecord]:
     records = []
     for row in table.to_pylist():
         row["events"] = json.loads(row["events"])
+        if isinstance(row.get("blocks"), list):
+            row["blocks"] = [_block_dict(b) if isinstance(b, dict) else b for b in row["blocks"]]
         records.append(SequenceRecord.from_dict(row))  # validates every field
     return records
+
+
+def _block_row(block: BlockRecord) -> dict[str, Any]:
+    """A block's struct in a segment: ``to_dict`` (the JSON shape) with the teacher's tables as two
+    columns of their own (nested lists Arrow can type, no JSON string to parse per block)."""
+    row = block.to_dict()
+    teacher = row.pop("teacher", None)
+    if teacher is not None:
+        row["teacher_ids"], row["teacher_logprobs"] = teacher["token_ids"], teacher["logprobs"]
+    return row
+
+
+def _block_dict(row: dict[str, Any]) -> dict[str, Any]:
+    """``_block_row`` undone: the dict ``BlockRecord.from_dict`` reads (which validates the teacher; one
+    table without the other is an error there, not a missing teacher)."""
+    ids, logprobs = row.pop("teacher_ids", None), row.pop("teacher_logprobs", None)
+    if ids is not None or logprobs is not None:
+        row["teacher"] = {"token_ids": ids, "logprobs": logprobs}
+    return row
 
 
 # ---------------------------------------------------------------- listing

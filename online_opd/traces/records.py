@@ -47,17 +47,82 @@ have been drafted by prompt lookup instead of the drafter (``BlockRecord.propose
 keeps the chain and the fidelity contract like any other, but replay and the
 per-version figures leave it out: it says nothing of the drafter's weights.
 
+The verifier as teacher. A block may carry ``BlockRecord.teacher`` (``TeacherTopK``):
+the top-k log-probabilities vLLM's verifier computed at each of its K drafted
+positions and at the bonus position, which is exactly Draft-OPD's teacher
+p_{m,k}; replay then needs no target forward over the drafted positions
+(online_opd/opd/replay.py). None (records written before the field existed, or a
+request not sampled for it): replay recomputes p.
+
 What lives elsewhere: capture (vllm_patches/), storage (online_opd/traces/buffer),
 replay of records into training tensors (online_opd/opd/replay.py).
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any
 
 DRAFTER, NGRAM = "drafter", "ngram"  # BlockRecord.proposer (speculation/hybrid.py uses the same names)
 PROPOSERS = (DRAFTER, NGRAM)
+
+
+@dataclass(frozen=True)
+class TeacherTopK:
+    """The verifier's top-k next-token log-probabilities on one verified block: Draft-OPD's teacher.
+
+    Row j (j = 0..K_m) is p(. | x_<=anchor, d_1..d_j): rows 0..K_m-1 are the drafted positions
+    k = 1..K_m, row K_m the bonus position (the distribution the target's own token after an
+    all-accepted block came from; replay does not read it). Values are the log-softmax at temperature
+    1 of the target's raw logits as vLLM's verifier computed them, read before sampling (the request's
+    temperature, top-p and top-k do not touch them: the teacher is the model, not the sampler), each
+    row's k largest in descending order, float32 values (``replay.top_k_logprobs``: finite, <= 0).
+    The rest of the vocabulary's mass is not kept; replay spreads it uniformly
+    (``replay.teacher_logits``). Built by the capture hook without checks; ``from_dict`` (every read)
+    and ``from_tensors`` validate."""
+
+    token_ids: tuple[tuple[int, ...], ...]  # [K_m + 1][k] distinct target-vocabulary ids per row
+    logprobs: tuple[tuple[float, ...], ...]  # [K_m + 1][k] log p of those ids, descending
+
+    @property
+    def top_k(self) -> int:
+        """k, the ids kept per row."""
+        return len(self.token_ids[0]) if self.token_ids else 0
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"token_ids": [list(row) for row in self.token_ids],
+                "logprobs": [list(row) for row in self.logprobs]}
+
+    @classmethod
+    def from_dict(cls, data: Any, where: str = "teacher") -> "TeacherTopK":
+        """Parse a dict from ``to_dict``; ValueError names the bad field. At least one row, every row
+        the same k >= 1 (ids and logprobs alike), distinct ids >= 0 per row (replay scatters them),
+        finite logprobs <= 0."""
+        data = _require_dict(data, where)
+        token_ids = _rows(data, "token_ids", where)
+        logprobs = _rows(data, "logprobs", where)
+        k = len(token_ids[0])
+        shape = [k] * len(token_ids)
+        if k == 0 or [len(row) for row in token_ids] != shape or [len(row) for row in logprobs] != shape:
+            raise ValueError(f"{where}: token_ids and logprobs must be the same [rows][k] shape with k >= 1, "
+                             f"got {[len(r) for r in token_ids]} and {[len(r) for r in logprobs]}")
+        for j, row in enumerate(token_ids):
+            if not all(_is_int(t) and t >= 0 for t in row) or len(set(row)) != k:
+                raise ValueError(f"{where}.token_ids[{j}] must be distinct non-negative ints")
+        for j, row in enumerate(logprobs):
+            # not `v <= 0.0` alone: nan compares False, so it would pass
+            if not all(_is_number(v) and -math.inf < v <= 0.0 for v in row):
+                raise ValueError(f"{where}.logprobs[{j}] must be finite numbers <= 0, got {list(row)!r}")
+        return cls(tuple(tuple(row) for row in token_ids),
+                   tuple(tuple(float(v) for v in row) for row in logprobs))
+
+    @classmethod
+    def from_tensors(cls, token_ids: Any, logprobs: Any, where: str = "teacher") -> "TeacherTopK":
+        """From ``replay.top_k_logprobs``'s [rows, k] int64 ids and float32 log-probabilities (anything with
+        ``tolist()``), validated as ``from_dict``. A float32 tensor's values are exact Python floats, so they
+        round-trip unchanged through JSON and the buffer's float32 column."""
+        return cls.from_dict({"token_ids": token_ids.tolist(), "logprobs": logprobs.tolist()}, where)
 
 
 @dataclass(frozen=True)
@@ -74,6 +139,15 @@ class BlockRecord:
     # tokens the drafter drafted when the server verified fewer (draft trimming, speculation/trim.py:
     # ``draft_tokens`` are the first of them); None = every drafted token was verified
     num_drafted: int | None = None
+    # the verifier's top-k log-probabilities at its K + 1 rows (TeacherTopK); None = not captured: replay
+    # recomputes the teacher with a target forward
+    teacher: TeacherTopK | None = None
+
+    def __post_init__(self) -> None:
+        # checked here, not only when read: a wrong row count would make the whole segment unreadable
+        if self.teacher is not None and len(self.teacher.token_ids) != len(self.draft_tokens) + 1:
+            raise ValueError(f"teacher has {len(self.teacher.token_ids)} rows; a block of "
+                             f"{len(self.draft_tokens)} draft tokens has {len(self.draft_tokens) + 1}")
 
     @property
     def is_drafters(self) -> bool:
@@ -101,13 +175,14 @@ class BlockRecord:
             "num_plain_steps": self.num_plain_steps,
             "proposer": self.proposer,
             **({"num_drafted": self.num_drafted} if self.num_drafted is not None else {}),
+            **({"teacher": self.teacher.to_dict()} if self.teacher is not None else {}),
         }
 
     @classmethod
     def from_dict(cls, data: Any, where: str = "block") -> "BlockRecord":
         """Parse a dict from ``to_dict``; ValueError names the bad field. The version, purity and
-        plain-step and proposer fields may be missing or null (records captured before they existed):
-        None, True, 0 and "drafter"."""
+        plain-step, proposer and teacher fields may be missing or null (records captured before they
+        existed): None, True, 0, "drafter" and None. A teacher has exactly K + 1 rows."""
         data = _require_dict(data, where)
         version = data.get("drafter_version")
         if version is not None and not isinstance(version, str):
@@ -124,6 +199,13 @@ class BlockRecord:
                                         or num_drafted <= len(draft_tokens)):
             raise ValueError(f"{where}.num_drafted must be null or an int above the {len(draft_tokens)} "
                              f"verified draft tokens, got {num_drafted!r}")
+        teacher = data.get("teacher")
+        if teacher is not None:
+            teacher = TeacherTopK.from_dict(teacher, f"{where}.teacher")
+            if len(teacher.token_ids) != len(draft_tokens) + 1:
+                raise ValueError(f"{where}.teacher has {len(teacher.token_ids)} rows; a block of "
+                                 f"{len(draft_tokens)} draft tokens has {len(draft_tokens) + 1} "
+                                 f"(drafted positions + bonus)")
         return cls(
             anchor=_int_field(data, "anchor", where),
             draft_tokens=draft_tokens,
@@ -133,6 +215,7 @@ class BlockRecord:
             num_plain_steps=_count_field(data, "num_plain_steps", where),
             proposer=DRAFTER if proposer is None else proposer,
             num_drafted=num_drafted,
+            teacher=teacher,
         )
 
 
@@ -231,6 +314,19 @@ def _field(data: dict, name: str, where: str) -> Any:
 
 def _is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _rows(data: dict, name: str, where: str) -> list:
+    """A non-empty list of lists (a [rows][k] table)."""
+    value = _field(data, name, where)
+    if not isinstance(value, (list, tuple)) or not value \
+            or not all(isinstance(row, (list, tuple)) for row in value):
+        raise ValueError(f"{where}.{name} must be a non-empty list of lists")
+    return list(value)
 
 
 def _int_field(data: dict, name: str, where: str) -> int:
