@@ -38,6 +38,14 @@ class CaptureConfig(StrictModel):
         30.0, ge=0, description="Least seconds between two retention passes of a writer (each lists the "
                                 "whole buffer; 0 = after every segment). The bounds may be exceeded by "
                                 "this much traffic.")
+    teacher_top_k: int = Field(
+        0, ge=0, le=1024, description="The verifier as teacher: per verified block, the target's top-k "
+                                      "log-probabilities at each drafted position and the bonus position, "
+                                      "taken from vLLM's own verification logits; replay then runs no target "
+                                      "forward over the drafted positions. 0 = off.")
+    teacher_sample_rate: float = Field(
+        1.0, ge=0, le=1, description="Share of the captured requests whose blocks carry the teacher signal "
+                                     "(decided per request; costs a top-k over their verified rows).")
 
     @field_validator("buffer_dir", mode="before")
     @classmethod

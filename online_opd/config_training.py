@@ -40,6 +40,10 @@ class TrainerConfig(StrictModel):
         "batch", description="How the objective averages a step's sequences: 'batch' pools every replayed "
                              "(block, position) of the step into I_acc / I_rej (paper eq. 10-11); 'sequence' "
                              "scores each sequence on its own and averages the sequences equally.")
+    captured_teacher: bool = Field(
+        True, description="Replay a block with the verifier's top-k log-probabilities where its record carries "
+                           "them (capture.teacher_top_k): no target forward over its drafted positions, the "
+                           "tail mass spread over the rest of the vocabulary. false: always recompute.")
     sft_position_decay: float = Field(
         7.0, gt=0, description="SFT cross-entropy weight exp(-(k-1)/decay) (DFlash).")
     num_threads: int | None = Field(None, ge=1, description="torch CPU threads; null = torch's default.")

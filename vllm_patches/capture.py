@@ -4,7 +4,7 @@ For every drafted block the engine verifies we record the anchor, the drafted
 ids and the verifier's accepted count, on the worker side, where the real ids
 are (with async scheduling the scheduler only sees placeholder drafts):
 
-- ``_sample`` (after the rejection sampler ran): snapshot, for the requests we
+- ``_sample`` (before the rejection sampler runs): snapshot, for the requests we
   track, the anchor (= tokens already computed before this step: the index of
   the last verified token, fed first in this step), the drafted ids of this
   step (``spec_decode_metadata.draft_token_ids``, copied to the host without a
@@ -53,6 +53,18 @@ Blocks drafted after the last kept token are dropped.
 Proposers. With the ngram fallback (ngram_fallback.py) a block may come from
 prompt lookup, not the drafter; ``snapshot_step`` tags it (``BlockRecord.proposer``).
 
+The verifier as teacher (``teacher_top_k`` > 0). For a sampled share of the
+captured requests (``teacher_sample_rate``), ``_sample`` also takes the top-k
+log-probabilities of the verifier's logits at each verified block's rows:
+request i's n_i + 1 rows are consecutive in ``logits`` (vLLM's
+``_calc_spec_decode_metadata``), drafted positions 1..n_i then the bonus
+position, each conditioned on the drafted prefix before it: exactly the
+teacher p_{m,k} of Draft-OPD. They are read before the rejection sampler
+(which may scale the logits in place), so they are the raw T = 1
+distribution whatever the request's temperature; the block carries them as
+``BlockRecord.teacher`` and replay then needs no target forward over the
+drafted positions (online_opd/opd/replay.py). Same host copy as the draft ids.
+
 Only one rank captures (tensor-parallel rank 0 of the last pipeline stage).
 Nothing here raises into vLLM: errors are logged once and counted.
 """
@@ -68,9 +80,10 @@ from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
 import torch
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, Field
 
-from online_opd.traces.records import BlockRecord, SequenceRecord
+from online_opd.opd.replay import top_k_logprobs
+from online_opd.traces.records import BlockRecord, SequenceRecord, TeacherTopK
 from online_opd.traces.writer import BufferWriter
 from vllm_patches import draft_trim, ngram_fallback
 from vllm_patches.request_checks import OPT_OUT_KEY, read_capture_flag
@@ -97,6 +110,8 @@ class CaptureSettings(BaseModel):
     writer_id: str = ""
     replica: str = ""  # the serving replica's name in records; "" = the writer id
     seed: int | None = None
+    teacher_top_k: int = Field(0, ge=0)  # the verifier's top-k log-probabilities per verified row; 0 = off
+    teacher_sample_rate: float = Field(1.0, ge=0, le=1)  # share of captured requests whose blocks carry them
 
     def to_env(self) -> str:
         return self.model_dump_json()
@@ -145,8 +160,10 @@ class _Tracked:
     verifying: tuple[str, bool] = ("", True)  # the same for the block verified in the current step
     preemptions_at_last_block: int = 0
     num_plain_steps: int = 0  # steps that gave it a token without verifying a block, since its last block
+    teacher: bool = False  # its blocks carry the verifier's top-k log-probabilities (TeacherTopK)
 
-    def append_block(self, block: _Drafted, ids: list[int], num_accepted: int) -> None:
+    def append_block(self, block: _Drafted, ids: list[int], num_accepted: int,
+                     teacher: TeacherTopK | None = None) -> None:
         """Append a verified block; mark a break after the previous one if a preemption fell between."""
         if self.blocks and block.num_preemptions != self.preemptions_at_last_block:
             self.events.append({"anchor_before": self.blocks[-1].anchor, "kind": "preemption"})
@@ -154,7 +171,7 @@ class _Tracked:
         self.blocks.append(BlockRecord(block.anchor, tuple(ids), num_accepted, drafter_version=block.version,
                                        is_context_pure=block.is_context_pure,
                                        num_plain_steps=self.num_plain_steps, proposer=block.proposer,
-                                       num_drafted=block.num_drafted))
+                                       num_drafted=block.num_drafted, teacher=teacher))
         self.num_plain_steps = 0
 
 
@@ -169,6 +186,15 @@ class _Drafted(NamedTuple):
     num_preemptions: int  # the request's preemptions when the step ran
     proposer: str  # the drafter, or the ngram fallback (ngram_fallback.py)
     num_drafted: int | None = None  # the drafter's block width when fewer were verified (draft_trim.py)
+    teacher_row: int | None = None  # its first row in the step's teacher tensors (count + 1 rows)
+
+
+class _TopK(NamedTuple):
+    """The step's top-k log-probabilities for the teacher-tracked blocks, host copies pending."""
+
+    ids: torch.Tensor  # [rows, k] int64
+    logprobs: torch.Tensor  # [rows, k] float32
+    ready: tuple[Any, Any]  # device events, or None where the copy is done
 
 
 @dataclass
@@ -178,12 +204,26 @@ class _Step:
     blocks: dict[str, _Drafted]  # req_id -> its block
     draft_ids: torch.Tensor  # flat host tensor (may still be in flight)
     ready: Any  # a device event, or None when the copy is already done
+    top_k: _TopK | None = None
 
-    def drafts(self) -> dict[str, tuple[_Drafted, list[int]]]:
-        if self.ready is not None:
-            self.ready.synchronize()
+    def drafts(self) -> dict[str, tuple[_Drafted, list[int], TeacherTopK | None]]:
+        for event in (self.ready, *(self.top_k.ready if self.top_k is not None else ())):
+            if event is not None:
+                event.synchronize()
         flat = self.draft_ids.tolist()
-        return {rid: (b, flat[b.offset:b.offset + b.count]) for rid, b in self.blocks.items()}
+        ids = self.top_k.ids.tolist() if self.top_k is not None else []
+        logprobs = self.top_k.logprobs.tolist() if self.top_k is not None else []
+        finite = self.top_k.logprobs.isfinite().all(dim=1).tolist() if self.top_k is not None else []
+
+        def teacher(b: _Drafted) -> TeacherTopK | None:
+            if b.teacher_row is None:
+                return None
+            rows = slice(b.teacher_row, b.teacher_row + b.count + 1)
+            if not all(finite[rows]):  # NaN logits: no teacher (a reader would refuse the whole segment)
+                return None
+            return TeacherTopK(tuple(map(tuple, ids[rows])), tuple(map(tuple, logprobs[rows])))
+
+        return {rid: (b, flat[b.offset:b.offset + b.count], teacher(b)) for rid, b in self.blocks.items()}
 
 
 class Capture:
@@ -199,7 +239,7 @@ class Capture:
         self._writer: BufferWriter | None = None
         self._errors_logged: set[str] = set()
         self.counters = {"requests_seen": 0, "captured": 0, "dropped": 0, "opted_out": 0,
-                         "not_sampled": 0, "blocks": 0, "errors": 0}
+                         "not_sampled": 0, "blocks": 0, "teacher_blocks": 0, "errors": 0}
 
     # -- engine events -------------------------------------------------------------------------
     def on_schedule(self, scheduler_output: Any) -> None:
@@ -219,25 +259,40 @@ class Capture:
         for t in done:
             self._finish(t)
 
-    def snapshot_step(self, input_batch: Any, metadata: Any) -> _Step | None:
-        """Anchors and drafted ids of this step for tracked requests (no device sync)."""
+    def snapshot_step(self, input_batch: Any, metadata: Any, logits: torch.Tensor | None = None) -> _Step | None:
+        """Anchors and drafted ids of this step for tracked requests (no device sync); with ``logits``
+        (the verifier's, [sum of (drafts + 1) per request, vocab], before the rejection sampler, which may
+        change them in place) the top-k log-probabilities of the teacher-tracked requests' rows."""
         with self._lock:
             if not self._tracked:
                 return None
             blocks: dict[str, _Drafted] = {}
-            offset = 0
+            offset = row = 0  # into the flat draft ids; into the logits rows (n + 1 per request)
+            rows: list[int] = []  # logits rows of the teacher-tracked blocks
             computed = input_batch.num_computed_tokens_cpu
             for i, (rid, n) in enumerate(zip(input_batch.req_ids, metadata.num_draft_tokens)):
                 if n > 0 and (t := self._tracked.get(rid)) is not None:
                     width = draft_trim.drafted_width(rid)
+                    teacher_row = None
+                    if t.teacher and logits is not None:
+                        teacher_row = len(rows)
+                        rows.extend(range(row, row + n + 1))  # positions 1..n, then the bonus position
                     blocks[rid] = _Drafted(int(computed[i]), offset, int(n), *t.verifying, t.num_preemptions,
                                            ngram_fallback.proposer_of(rid),
-                                           width if width is not None and width > n else None)
+                                           width if width is not None and width > n else None, teacher_row)
                 offset += n
+                row += n + 1
         if not blocks:
             return None
         draft_ids, ready = _to_host(metadata.draft_token_ids)
-        return _Step(blocks, draft_ids, ready)
+        top_k = None
+        if rows:
+            selected = logits if len(rows) == logits.shape[0] else \
+                logits[torch.tensor(rows, dtype=torch.long).to(logits.device, non_blocking=True)]
+            ids, logprobs = top_k_logprobs(selected, self.settings.teacher_top_k)
+            (ids, ids_ready), (logprobs, logprobs_ready) = _to_host(ids), _to_host(logprobs)
+            top_k = _TopK(ids, logprobs, (ids_ready, logprobs_ready))
+        return _Step(blocks, draft_ids, ready, top_k)
 
     def on_output(self, step: _Step | None, req_ids: list[str], sampled: list[list[int]]) -> None:
         """Append a step's sampled tokens and verified blocks to the tracked requests."""
@@ -247,9 +302,9 @@ class Capture:
                 t = self._tracked.get(rid)
                 if t is None or not tokens:
                     continue  # not tracked, or a discarded sample (partial prefill)
-                block, ids = drafts.get(rid, (None, []))
+                block, ids, teacher = drafts.get(rid, (None, [], None))
                 if ids and min(ids) >= 0:  # the drafter ran (ids are real, not padding)
-                    t.append_block(block, ids, len(tokens) - 1)
+                    t.append_block(block, ids, len(tokens) - 1, teacher)
                 else:  # a plain step: K = 0 for this request, or no speculation in the step at all
                     t.num_plain_steps += 1
                 t.outputs.extend(tokens)
@@ -302,11 +357,12 @@ class Capture:
         if not sp.ignore_eos and getattr(sp, "eos_token_id", None) is not None:
             stop.add(sp.eos_token_id)
         is_cache_hit = int(getattr(new, "num_computed_tokens", 0) or 0) > 0
+        teacher = self.settings.teacher_top_k > 0 and self._rng.random() < self.settings.teacher_sample_rate
         self._tracked[new.req_id] = _Tracked(
             prompt=list(new.prompt_token_ids), temperature=float(sp.temperature),
             top_p=float(sp.top_p), top_k=max(int(sp.top_k or 0), 0), max_tokens=sp.max_tokens,
             stop_ids=frozenset(stop), version=self.version,
-            is_context_pure=self._is_cache_pure or not is_cache_hit)
+            is_context_pure=self._is_cache_pure or not is_cache_hit, teacher=teacher)
 
     def _finish(self, t: _Tracked) -> None:
         outputs = kept_output_ids(t.outputs, t.max_tokens, t.stop_ids)
@@ -323,6 +379,7 @@ class Capture:
         if self._get_writer().submit(record):
             self.counters["captured"] += 1
             self.counters["blocks"] += len(blocks)
+            self.counters["teacher_blocks"] += sum(b.teacher is not None for b in blocks)
 
     def _get_writer(self) -> BufferWriter:
         if self._writer is None:  # started lazily: only the capturing process runs a writer thread
@@ -392,13 +449,13 @@ def install(settings: CaptureSettings) -> Capture:
         return orig_update(self, scheduler_output, *args, **kwargs)
 
     def _sample(self, logits, spec_decode_metadata, *args, **kwargs):
-        out = orig_sample(self, logits, spec_decode_metadata, *args, **kwargs)
-        if spec_decode_metadata is not None and _enabled(self):
+        if spec_decode_metadata is not None and _enabled(self):  # before: the sampler may change logits
             try:
-                self._online_opd_step = cap.snapshot_step(self.input_batch, spec_decode_metadata)
+                self._online_opd_step = cap.snapshot_step(
+                    self.input_batch, spec_decode_metadata, logits if cap.settings.teacher_top_k > 0 else None)
             except Exception as exc:
                 cap.error("_sample", exc)
-        return out
+        return orig_sample(self, logits, spec_decode_metadata, *args, **kwargs)
 
     def sample_tokens(self, *args, **kwargs):
         self._online_opd_step = None

@@ -38,6 +38,8 @@ CAPTURE_COUNTERS = {
     "opted_out": ("records_opted_out", "Requests that opted out of capture (vllm_xargs)."),
     "not_sampled": ("records_not_sampled", "Requests left out by the capture sample rate."),
     "blocks": ("blocks_captured", "Verified draft blocks in captured records."),
+    "teacher_blocks": ("teacher_blocks_captured", "Captured blocks carrying the verifier's top-k log-probabilities "
+                                                  "(capture.teacher_top_k)."),
     "errors": ("capture_errors", "Internal capture errors (counted, never raised into vLLM)."),
 }
 

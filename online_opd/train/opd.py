@@ -115,7 +115,7 @@ def choose_blocks(record: SequenceRecord, anchors_per_sequence: int, generator: 
 
 def replay_records(target, drafter, records: list[SequenceRecord], objective: Callable, *,
                    anchors_per_sequence: int, generator: torch.Generator, pooling: str = "batch",
-                   device: torch.device | None = None) -> ReplayedLoss:
+                   device: torch.device | None = None, use_teacher: bool = True) -> ReplayedLoss:
     """Up to ``anchors_per_sequence`` blocks of each record, drawn with ``generator``, replayed in one
     packed pass per record (replay.py) and scored with ``objective``.
 
@@ -124,7 +124,8 @@ def replay_records(target, drafter, records: list[SequenceRecord], objective: Ca
     per record, then the mean over the records (each record weighs the same however many positions
     it has). Data-parallel (train/distributed.py): ``records`` is the global batch, the same on every
     rank; each rank draws the blocks of all of them (so the generator stays in step) and replays its
-    own slice."""
+    own slice. ``use_teacher``: blocks that carry the verifier's captured top-k (BlockRecord.teacher) take
+    their target rows from it (replay.py); False recomputes every block."""
     if pooling not in POOLINGS:
         raise ValueError(f"pooling must be one of {POOLINGS}, got {pooling!r}")
     chosen = [choose_blocks(record, anchors_per_sequence, generator) for record in records]
@@ -133,7 +134,7 @@ def replay_records(target, drafter, records: list[SequenceRecord], objective: Ca
     for record, blocks in zip(records[lo:hi], chosen[lo:hi]):
         end = max(b.anchor for b in blocks) + 1  # later tokens are never read
         tokens = torch.tensor(record.tokens[:end], dtype=torch.int64, device=device)
-        batch = replay_sequence(target, drafter, tokens, blocks)
+        batch = replay_sequence(target, drafter, tokens, blocks, use_teacher=use_teacher)
         outs.append(objective(batch.target_logits, batch.draft_logits, batch.num_accepted, batch.num_drafted))
         num_tokens.append(end + sum(len(b.draft_tokens) - 1 for b in blocks))
     if pooling == "sequence":
@@ -177,7 +178,7 @@ def opd_step_fn(target, drafter, records: list[SequenceRecord], cfg: TrainerConf
         picks = torch.randint(len(records), (cfg.sequences_per_step,), generator=gen).tolist()
         out = replay_records(target, drafter, [records[i] for i in picks], objective,
                              anchors_per_sequence=cfg.anchors_per_sequence, generator=gen,
-                             pooling=cfg.loss_pooling, device=device)
+                             pooling=cfg.loss_pooling, device=device, use_teacher=cfg.captured_teacher)
         stats = {"accepted": out.accepted, "rejected": out.rejected,
                  "replayed_tokens": out.num_replayed_tokens}
         return out.loss, stats

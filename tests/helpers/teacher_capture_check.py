@@ -1,0 +1,110 @@
+"""Serve the embedded target with vLLM's CPU engine (prompt-lookup speculation, float32) with the
+capture's teacher signal on, then check every captured block's top-k log-probabilities against an
+independent Hugging Face forward of the target over the block's drafted prefix.
+
+Usage: python teacher_capture_check.py TARGET_DIR OUT_DIR  (writes OUT_DIR/result.json)
+
+The engine runs in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0) with the online-opd plugin and
+the capture configured through ``ONLINE_OPD_CAPTURE``, as ``online-opd serve`` configures it.
+Requests run at temperature 0 and 0.8: the captured rows are the raw (T = 1) distribution either
+way, read before the rejection sampler scales them. For each block at anchor a with drafts
+d_1..d_n: HF logits at rows a..a+n of x_<=a + d_1..d_n (n drafted positions and the bonus
+position), log_softmax in float32, compared id by id with the captured top-k.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+
+os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+
+TOP_K = 8
+MAX_TOKENS = 64
+# Prompt lookup drafts where the context repeats: prompts that make the answer copy their text.
+PROMPTS = [
+    "Repeat this list exactly three times, separated by commas: red apple, green pear, yellow banana, "
+    "purple grape.",
+    "Copy the following sentence twice: The quick brown fox jumps over the lazy dog near the river bank.",
+    "Write the numbers from one to twenty in words, separated by commas.",
+    "Say 'hello world' five times, each on its own line.",
+    "Spell the word 'banana' letter by letter, then write the word 'banana' three times.",
+    "List the days of the week twice, separated by commas.",
+]
+
+
+def main(target: str, out_dir: str) -> None:
+    out = Path(out_dir)
+    from serve.server import PLUGIN_NAMES
+    from vllm_patches import CAPTURE_ENV
+    from vllm_patches.capture import CaptureSettings
+    from vllm_patches.model_runner import v1_runner_env
+
+    os.environ["VLLM_PLUGINS"] = ",".join(PLUGIN_NAMES)
+    os.environ.update(v1_runner_env(os.environ))
+    os.environ[CAPTURE_ENV] = CaptureSettings(buffer_dir=str(out / "buffer"), teacher_top_k=TOP_K,
+                                              flush_interval_s=0.2, seed=0).to_env()
+
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from online_opd.traces.buffer import BufferReader
+    from serve.engine import chat_prompt_ids, generate, make_llm, ngram_speculative_config, shutdown
+    from vllm_patches import capture
+
+    tokenizer = AutoTokenizer.from_pretrained(target)
+    prompts = chat_prompt_ids(tokenizer, [[{"role": "user", "content": p}] for p in PROMPTS])
+    llm = make_llm(target, dtype="float32", max_model_len=512, speculative_config=ngram_speculative_config(4))
+    temperatures = {}
+    for temperature in (0.0, 0.8):
+        for g in generate(llm, prompts, max_tokens=MAX_TOKENS, temperature=temperature, seed=1, progress=False):
+            temperatures[tuple(g.prompt_ids + g.output_ids)] = temperature
+    cap = capture.current()
+    stats = cap.stats() if cap is not None else {}
+    if cap is not None:
+        cap.close()
+    shutdown(llm)
+
+    records = list(BufferReader(out / "buffer").iter_records())
+    model = AutoModelForCausalLM.from_pretrained(target, torch_dtype=torch.float32).eval()
+    per_temperature: dict[str, dict] = {}
+    for record in records:
+        figures = per_temperature.setdefault(str(record.temperature), {
+            "records": 0, "blocks": 0, "teacher_blocks": 0, "rows": 0, "max_abs_diff": 0.0,
+            "id_mismatches": 0, "near_tie_mismatches": 0, "partial_blocks": 0})
+        figures["records"] += 1
+        for block in record.blocks:
+            figures["blocks"] += 1
+            if block.teacher is None:
+                continue
+            figures["teacher_blocks"] += 1
+            n = len(block.draft_tokens)
+            figures["partial_blocks"] += int(block.num_accepted < n)
+            seq = torch.tensor(list(record.tokens[:block.anchor + 1]) + list(block.draft_tokens))
+            with torch.no_grad():
+                logits = model(input_ids=seq[None]).logits[0, block.anchor:block.anchor + n + 1].float()
+            logprobs = torch.log_softmax(logits, dim=-1)  # [n + 1, vocab]
+            captured_ids = torch.tensor(block.teacher.token_ids)
+            captured = torch.tensor(block.teacher.logprobs)
+            if captured_ids.shape != (n + 1, TOP_K):
+                raise AssertionError(f"teacher shape {tuple(captured_ids.shape)} for a {n}-token block")
+            figures["rows"] += n + 1
+            reference = logprobs.gather(1, captured_ids)  # HF's log-probabilities of the captured ids
+            figures["max_abs_diff"] = max(figures["max_abs_diff"], float((reference - captured).abs().max()))
+            top = logprobs.topk(TOP_K, dim=-1)
+            for j in range(n + 1):
+                if top.indices[j].tolist() != captured_ids[j].tolist():
+                    # order differs: only allowed between values HF itself finds within 1e-4
+                    gap = float((top.values[j] - reference[j]).abs().max())
+                    figures["near_tie_mismatches" if gap <= 1e-4 else "id_mismatches"] += 1
+    result = {"capture": stats, "per_temperature": per_temperature, "num_records": len(records),
+              "num_requests": len(temperatures), "top_k": TOP_K}
+    (out / "result.json").write_text(json.dumps(result, indent=2))
+    print(json.dumps(result, indent=2))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], sys.argv[2])
