@@ -293,7 +293,7 @@ def test_full_vocabulary_teacher_replays_as_the_recomputed_target(target, drafte
 def test_small_k_teacher_replay_uses_the_reconstruction(target, drafter, mixed):
     tokens, blocks = mixed
     captured = with_teacher(target, tokens, blocks, 4)
-    batch = replay_sequence(target, drafter, tokens, captured)
+    batch = replay_sequence(target, drafter, tokens, captured, teacher_tail="uniform")
     for m, block in enumerate(captured):
         length = len(block.draft_tokens)
         assert torch.equal(batch.target_logits[m, :length], teacher_logits(block.teacher, length, VOCAB))
@@ -308,12 +308,40 @@ def test_small_k_teacher_replay_uses_the_reconstruction(target, drafter, mixed):
     drafter.zero_grad(set_to_none=True)
 
 
+def test_student_tail_gives_the_collapsed_objectives(target, drafter, mixed):
+    """teacher_tail="student": captured ids keep their log-probabilities, the tail follows
+    the drafter's q, and the forward and reverse KL of each row equal their (k+1)-way form over the k ids
+    and one "rest" outcome."""
+    tokens, blocks = mixed
+    k = 4
+    captured = with_teacher(target, tokens, blocks, k)
+    batch = replay_sequence(target, drafter, tokens, captured, teacher_tail="student")
+    for m, block in enumerate(captured):
+        for j in range(len(block.draft_tokens)):
+            log_p, log_q = batch.target_logits[m, j], torch.log_softmax(batch.draft_logits[m, j].detach(), -1)
+            ids = torch.tensor(block.teacher.token_ids[j])
+            captured_lp = torch.tensor(block.teacher.logprobs[j])
+            assert torch.allclose(log_p[ids], captured_lp, atol=1e-5)
+            assert torch.allclose(log_p.exp().sum(), torch.tensor(1.0), atol=1e-5)
+            tail = torch.ones(VOCAB, dtype=torch.bool)
+            tail[ids] = False
+            ratio = (log_p - log_q)[tail]
+            assert float(ratio.max() - ratio.min()) < 1e-4  # p proportional to q on the tail
+            p_rest, q_rest = 1 - captured_lp.exp().sum(), 1 - log_q[ids].exp().sum()
+            forward = (captured_lp.exp() * (captured_lp - log_q[ids])).sum() + p_rest * torch.log(p_rest / q_rest)
+            reverse = (log_q[ids].exp() * (log_q[ids] - captured_lp)).sum() + q_rest * torch.log(q_rest / p_rest)
+            assert torch.allclose((log_p.exp() * (log_p - log_q)).sum(), forward, atol=1e-4)
+            assert torch.allclose((log_q.exp() * (log_q - log_p)).sum(), reverse, atol=1e-4)
+    with pytest.raises(ValueError, match="teacher_tail"):
+        replay_sequence(target, drafter, tokens, captured, teacher_tail="flat")
+
+
 def test_blocks_with_and_without_a_teacher_in_one_sequence(target, drafter, mixed):
     """Blocks 1 and 3 carry a teacher (rows rebuilt from it), the others go through a packed forward of
     their own (rows the recomputed ones), and the drafter sees the same features either way."""
     tokens, blocks = mixed
     captured = with_teacher(target, tokens, blocks, 6, which={1, 3})
-    batch = replay_sequence(target, drafter, tokens, captured)
+    batch = replay_sequence(target, drafter, tokens, captured, teacher_tail="uniform")
     naive = replay_sequence_naive(target, drafter, tokens, captured)  # the reference never reads a teacher
     for m, block in enumerate(captured):
         length = len(block.draft_tokens)

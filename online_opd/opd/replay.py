@@ -43,22 +43,35 @@ long sequence across calls if that is too much).
 
 Captured teacher signal. A block whose record carries the verifier's top-k
 (``BlockRecord.teacher``: vLLM computed p_{m,k} for k = 1..K_m when it verified
-the block, records.py) needs no target rows recomputed: ``teacher_logits``
-rebuilds each row from its k captured log-probabilities, the rest of the mass
-(1 - their sum) spread uniformly over the other V - k ids and floored at
-``TAIL_MASS_FLOOR``, so p > 0 wherever q has mass and the reverse KL of the
-rejected positions stays finite (the tail's shape is unknown: uniform is the
-least committal guess, and it never ranks a tail id above a captured one). Such
-a block appends nothing to the packed forward. When every block carries it, the
+the block, records.py) needs no target rows recomputed: each row keeps its k
+captured log-probabilities, and the rest of the mass, 1 - their sum (floored at
+``TAIL_MASS_FLOOR``), goes to the other V - k ids in one of two shapes
+(``teacher_tail``):
+
+- "uniform" (the default): evenly, capped at the row's smallest captured
+  value. It says "p is small there", which is what most of a language model's
+  tail is, though not flat: the forward KL pulls q toward uniform over the
+  tail, the reverse KL charges q's tail mass at that small p.
+- "student": in proportion to the drafter's own q over those ids (detached).
+  Every objective of losses.py then computes, value and gradient, exactly its
+  collapsed (k+1)-way form: the k ids and one "rest" outcome with mass 1 - S
+  under p and Q_rest under q (forward KL's tail term (1 - S) log((1 - S) /
+  Q_rest), reverse KL's Q_rest log(Q_rest / (1 - S))), claiming nothing about
+  the shape of p's tail. It also drops what the tail says: against the full
+  teacher's gradient it measured worse than "uniform" at every k from 4 to 32
+  (cosine 0.73 against 0.89 at k = 32, gradient norm 0.57x against 1.01x:
+  benchmarks/teacher_replay.py, README "Teacher signal"). Kept for comparison.
+
+``teacher_logits`` and ``teacher_truncation`` (the uniform rebuild against the
+full distribution) serve tests and that benchmark. Such a block appends nothing
+to the packed forward. When every block carries it, the
 target runs one plain causal forward over the T sequence tokens, for the
 drafter's aux hidden states only (no block mask, no appended tokens, no
 vocabulary projection: T tokens instead of T + M (K-1)); otherwise the packed
 forward carries the blocks without it, and its aux at the sequence positions
 is the same (sequence tokens never see appended ones). ``use_teacher=False``
-recomputes every block. The drafter side is unchanged. ``teacher_truncation``
-measures what the truncation costs against the full distribution, and
-``top_k_logprobs`` is the capture's own math on the verifier's logits
-(vllm_patches/capture.py).
+recomputes every block. The drafter side is unchanged. ``top_k_logprobs`` is
+the capture's own math on the verifier's logits (vllm_patches/capture.py).
 
 ``replay_sequence_naive`` is the per-block reference (one target forward
 and one drafter forward per block, never the captured teacher) used by tests
@@ -79,6 +92,7 @@ from online_opd.models.target_model import TargetModel
 from online_opd.traces.records import BlockRecord, TeacherTopK
 
 TAIL_MASS_FLOOR = 1e-6  # least mass a reconstructed teacher row leaves outside its top-k (teacher_logits)
+TEACHER_TAILS = ("uniform", "student")  # how a captured teacher's uncaptured mass is spread (replay_sequence)
 LOGPROB_MIN = -1000.0  # top_k_logprobs' floor: a -inf log-probability, kept finite (exp is 0 all the same)
 
 
@@ -120,23 +134,30 @@ def _reconstruct(
     ids: torch.Tensor,  # [R, k] int64, distinct per row
     logprobs: torch.Tensor,  # [R, k] float32 log p of those ids
     vocab_size: int,
+    tail_shape: torch.Tensor | None = None,  # [R, vocab] log-probabilities the tail follows; None = uniform
 ) -> torch.Tensor:
     """[R, vocab] float32 log-probabilities: the captured entries at their ids, the tail mass
-    max(1 - sum exp(logprobs), TAIL_MASS_FLOOR) spread uniformly over the other vocab - k ids (capped at
-    the row's smallest captured value: no tail id above a captured one), then renormalised (log_softmax).
-    With k = vocab there is no tail: the row is the captured one, renormalised."""
+    max(1 - sum exp(logprobs), TAIL_MASS_FLOOR) over the other vocab - k ids, then renormalised
+    (log_softmax). The tail is spread uniformly (capped at the row's smallest captured value: no tail id
+    above a captured one), or in proportion to ``tail_shape`` over the tail ids (the student's: module
+    docstring). With k = vocab there is no tail: the row is the captured one, renormalised."""
     num_rows, k = ids.shape
     if k > vocab_size or (ids.numel() > 0 and int(ids.max()) >= vocab_size):  # scatter_ would assert on a GPU
         raise ValueError(f"teacher ids must lie in the target's vocabulary of {vocab_size} (k={k})")
     others = vocab_size - k
-    if others > 0:
-        # float64: the tail is a small difference of numbers near 1
-        tail = (1.0 - logprobs.double().exp().sum(-1)).clamp_min(TAIL_MASS_FLOOR)  # [R]
-        fill = (tail.log() - math.log(others)).float()  # [R] log p of each tail id
-        fill = torch.minimum(fill, logprobs.min(-1).values)
+    # float64: the tail is a small difference of numbers near 1
+    tail = (1.0 - logprobs.double().exp().sum(-1)).clamp_min(TAIL_MASS_FLOOR)  # [R]
+    if others > 0 and tail_shape is not None:
+        shape = tail_shape.detach().float()
+        shape_tail = (1.0 - shape.gather(1, ids).double().exp().sum(-1)).clamp_min(1e-30)  # [R] its tail mass
+        out = shape + (tail.log() - shape_tail.log()).float()[:, None]  # [R, vocab]
     else:
-        fill = logprobs.new_full((num_rows,), float("-inf"))  # every entry gets overwritten below
-    out = fill[:, None].expand(num_rows, vocab_size).contiguous()  # [R, vocab]
+        if others > 0:
+            fill = (tail.log() - math.log(others)).float()  # [R] log p of each tail id
+            fill = torch.minimum(fill, logprobs.min(-1).values)
+        else:
+            fill = logprobs.new_full((num_rows,), float("-inf"))  # every entry gets overwritten below
+        out = fill[:, None].expand(num_rows, vocab_size).contiguous()  # [R, vocab]
     out.scatter_(1, ids, logprobs.float())
     return torch.log_softmax(out, dim=-1)
 
@@ -299,11 +320,12 @@ def _captured_target(
     drafts: torch.Tensor,  # [M, W]
     num_drafted: torch.Tensor,  # [M] K_m
     layer_ids: tuple[int, ...],
-) -> tuple[torch.Tensor, torch.Tensor, int]:
-    """(target logits [M, W, vocab] float32 (or wider), zero in rows k > K_m; aux hidden [T, F]; tokens the
-    target ran over) when some blocks carry a captured teacher: their rows rebuilt from it (one
-    reconstruction per distinct k), the others' from a packed forward over them only, which also gives the
-    aux; with none left, a plain causal forward over the sequence for the aux alone."""
+) -> tuple[torch.Tensor, torch.Tensor, int, list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]]:
+    """(target logits [M, W, vocab] float32 (or wider), zero in rows k > K_m and in the captured rows; aux
+    hidden [T, F]; tokens the target ran over; the captured rows, one (where [R, 2] (block, slot), ids
+    [R, k], logprobs [R, k]) per distinct k) when some blocks carry a captured teacher. The other blocks'
+    rows come from a packed forward over them only, which also gives the aux; with none left, a plain
+    causal forward over the sequence gives the aux alone. ``_fill_captured`` rebuilds the captured rows."""
     device, (num_blocks, width), num_tokens = tokens.device, drafts.shape, tokens.shape[0]
     recompute = [m for m, c in enumerate(captured) if not c]
     if recompute:
@@ -322,13 +344,25 @@ def _captured_target(
     for m, block in enumerate(blocks):
         if captured[m]:
             by_k.setdefault(block.teacher.top_k, []).extend((m, j) for j in range(len(block.draft_tokens)))
+    groups = []
     for rows in by_k.values():
         teachers = [(blocks[m].teacher, j) for m, j in rows]
         ids = torch.tensor([t.token_ids[j] for t, j in teachers], dtype=torch.long, device=device)  # [R, k]
         lps = torch.tensor([t.logprobs[j] for t, j in teachers], dtype=torch.float32, device=device)  # [R, k]
-        where = torch.tensor(rows, dtype=torch.long, device=device)  # [rows, 2]
-        logits[where[:, 0], where[:, 1]] = _reconstruct(ids, lps, target.vocab_size).to(dtype)
-    return logits, aux, num_tokens
+        groups.append((torch.tensor(rows, dtype=torch.long, device=device), ids, lps))  # where: [R, 2]
+    return logits, aux, num_tokens, groups
+
+
+def _fill_captured(
+    logits: torch.Tensor,  # [M, W, vocab] target logits, written in place
+    groups: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]],  # _captured_target's captured rows
+    draft_logits: torch.Tensor | None,  # [M, W, vocab] the student's tail shape; None = uniform tail
+) -> None:
+    for where, ids, lps in groups:
+        shape = None
+        if draft_logits is not None:
+            shape = torch.log_softmax(draft_logits[where[:, 0], where[:, 1]].detach().float(), dim=-1)
+        logits[where[:, 0], where[:, 1]] = _reconstruct(ids, lps, logits.shape[-1], shape).to(logits.dtype)
 
 
 def replay_sequence(
@@ -337,22 +371,28 @@ def replay_sequence(
     tokens: torch.Tensor,  # [T] prompt + output ids
     blocks: Sequence[BlockRecord],
     use_teacher: bool = True,
+    teacher_tail: str = "uniform",
 ) -> ReplayBatch:
     """Replay M recorded blocks of one sequence, each 1..K tokens long: the target's rows from the
-    verifier's captured top-k where a block carries it (``use_teacher``; module docstring), from one
-    packed target forward (no grad) for the rest, and one packed drafter forward per distinct block
-    length (with grad)."""
+    verifier's captured top-k where a block carries it (``use_teacher``; its tail shaped as
+    ``teacher_tail`` says, "uniform" or "student": module docstring), from one packed target forward (no
+    grad) for the rest, and one packed drafter forward per distinct block length (with grad)."""
+    if teacher_tail not in TEACHER_TAILS:
+        raise ValueError(f"teacher_tail must be one of {TEACHER_TAILS}, got {teacher_tail!r}")
     anchors, drafts, num_accepted, num_drafted = _block_tensors(
         blocks, tokens.shape[0], drafter.cfg.block_size, tokens.device)
     layer_ids = tuple(drafter.target_layer_ids)
     captured = [use_teacher and b.teacher is not None for b in blocks]
+    groups: list = []
     if any(captured):
-        target_logits, aux, num_target_tokens = _captured_target(
+        target_logits, aux, num_target_tokens, groups = _captured_target(
             target, tokens, blocks, captured, anchors, drafts, num_drafted, layer_ids)
     else:
         target_logits, aux = packed_target_forward(target, tokens, anchors, drafts, layer_ids, num_drafted)
         num_target_tokens = tokens.shape[0] + sum(len(b.draft_tokens) - 1 for b in blocks)
     draft_logits = packed_draft_logits(drafter, aux, tokens, anchors, drafts, num_drafted)  # [M, W, vocab]
+    if groups:
+        _fill_captured(target_logits, groups, draft_logits if teacher_tail == "student" else None)
     return ReplayBatch(target_logits, draft_logits, num_accepted, num_drafted, num_target_tokens)
 
 
