@@ -21,6 +21,13 @@ rounds, and run more `--rounds` for a tighter figure.
 
     python benchmarks/capture_overhead.py --rounds 2 --out runs/bench/capture_overhead.json
 
+``--teacher-top-k N`` measures the verifier-as-teacher capture instead: mode
+"teacher" (capture with ``capture.teacher_top_k=N``, every captured request
+carrying it) against mode "on" (capture without it), target ratio >= 0.97;
+each server's buffer is read after it stops for its bytes per captured block.
+
+    python benchmarks/capture_overhead.py --teacher-top-k 20 --out runs/bench/teacher_overhead.json
+
 One JSON object on stdout (also written to --out); logs on stderr.
 """
 
@@ -28,6 +35,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import shlex
 import statistics
 import tempfile
 import time
@@ -42,6 +50,7 @@ logger = logging.getLogger("capture_overhead")
 TOKEN = "capture-overhead-bench"
 DEFAULT_DRAFTER = ROOT / "runs" / "bootstrap" / "drafter"
 TARGET_RATIO = 0.98
+TEACHER_TARGET_RATIO = 0.97
 CONCURRENCIES = (1, 16)
 
 
@@ -86,24 +95,42 @@ def capture_counters(server: ServerProcess) -> dict[str, float]:
             "buffer_bytes": writer.get("buffer_bytes")}
 
 
+def buffer_figures(buffer: Path) -> dict[str, Any]:
+    """Bytes on disk per captured block (segments as written: Parquet, zstd) and the blocks with teacher."""
+    from online_opd.traces.buffer import BufferReader
+
+    reader = BufferReader(buffer)
+    segments = reader.segments() if reader.exists() else []
+    blocks = [b for info in segments for record in reader.read_segment(info) for b in record.blocks]
+    size = sum(info.bytes for info in segments)
+    return {"segment_bytes": size, "blocks": len(blocks),
+            "teacher_blocks": sum(b.teacher is not None for b in blocks),
+            "bytes_per_block": round(size / len(blocks), 1) if blocks else None}
+
+
 def run_server(mode: str, run_dir: Path, args: argparse.Namespace) -> dict[str, Any]:
-    """Start one server in `mode` (on/off), measure it, stop it."""
-    extra = ["--no-train", "--drafter", str(args.drafter), "--max-num-seqs", "16"]
+    """Start one server in `mode` (on / off / teacher), measure it, stop it."""
+    extra = ["--no-train", "--drafter", str(args.drafter), "--max-num-seqs", "16", *shlex.split(args.serve_args)]
     if mode == "off":
         extra.append("--no-capture")
+    if mode == "teacher":
+        extra += ["-o", f"capture.teacher_top_k={args.teacher_top_k}",
+                  "-o", f"capture.teacher_sample_rate={args.teacher_sample_rate}"]
     server = ServerProcess(run_dir, args.config, *extra, token=TOKEN)
     start = time.perf_counter()
     try:
         server.wait_ready(timeout=900)
         logger.info("%s: server ready in %.0f s", mode, time.perf_counter() - start)
         result: dict[str, Any] = {"by_concurrency": measure(server, args)}
-        if mode == "on":
+        if mode != "off":
             result["capture"] = capture_counters(server)
             sent = sum(c["requests_sent"] for c in result["by_concurrency"].values())
             result["capture"]["requests_sent"] = sent
-        return result
     finally:
         server.stop()
+    if mode != "off":
+        result["capture"].update(buffer_figures(server.buffer))
+    return result
 
 
 def ratio(on: float, off: float) -> float | None:
@@ -120,6 +147,14 @@ def main() -> None:
     parser.add_argument("--requests-c16", type=int, default=48)
     parser.add_argument("--warmup", type=int, default=4,
                         help="warm-up requests per concurrency (at least the concurrency; default 4)")
+    parser.add_argument("--teacher-top-k", type=int, default=0,
+                        help="measure capture with the verifier's top-k (mode 'teacher') against capture "
+                             "without it (mode 'on'); default 0: capture on against off")
+    parser.add_argument("--teacher-sample-rate", type=float, default=1.0,
+                        help="capture.teacher_sample_rate of the 'teacher' server (default 1: every request)")
+    parser.add_argument("--serve-args", default="",
+                        help="more `online-opd serve` arguments for every server, as shell words "
+                             "(e.g. '--speculation always': drafts at every batch size)")
     parser.add_argument("--run-dir", type=Path, default=None, help="server folders (default: a temp dir)")
     parser.add_argument("--out", type=Path, default=None, help="also write the JSON here")
     args = parser.parse_args()
@@ -127,44 +162,48 @@ def main() -> None:
     args.drafter = check_drafter(args.drafter)
     args.config = args.config.resolve()
 
+    # (measured, against): capture against none, or capture with the teacher against capture without
+    pair = ("teacher", "on") if args.teacher_top_k > 0 else ("on", "off")
+    target = TEACHER_TARGET_RATIO if args.teacher_top_k > 0 else TARGET_RATIO
     with tempfile.TemporaryDirectory(prefix="capture-overhead-") as tmp:
         base = args.run_dir or Path(tmp)
         rounds = []
         for r in range(args.rounds):
-            order = ("on", "off") if r % 2 == 0 else ("off", "on")
+            order = pair if r % 2 == 0 else pair[::-1]
             modes = {}
             for mode in order:
                 logger.info("round %d: capture %s", r, mode)
                 modes[mode] = run_server(mode, base / f"round{r}-{mode}", args)
-            tps = {m: {c: v["output_tokens_per_s"] for c, v in modes[m]["by_concurrency"].items()}
-                   for m in ("on", "off")}
+            tps = {m: {c: v["output_tokens_per_s"] for c, v in modes[m]["by_concurrency"].items()} for m in pair}
             rounds.append({"round": r, "order": list(order), "tokens_per_s": tps,
-                           "ratio_on_off": {c: ratio(tps["on"][c], tps["off"][c]) for c in tps["on"]},
-                           "capture": modes["on"]["capture"],
-                           "detail": {m: modes[m]["by_concurrency"] for m in ("on", "off")}})
+                           "ratio": {c: ratio(tps[pair[0]][c], tps[pair[1]][c]) for c in tps[pair[0]]},
+                           "capture": {m: modes[m]["capture"] for m in pair if "capture" in modes[m]},
+                           "detail": {m: modes[m]["by_concurrency"] for m in pair}})
 
     per_concurrency = {}
     for c in map(str, CONCURRENCIES):
-        ratios = [r["ratio_on_off"][c] for r in rounds if r["ratio_on_off"][c] is not None]
+        ratios = [r["ratio"][c] for r in rounds if r["ratio"][c] is not None]
         median = round(statistics.median(ratios), 4) if ratios else None
         per_concurrency[c] = {
             "ratio_median": median, "ratio_per_round": ratios,
-            "tokens_per_s_on": [r["tokens_per_s"]["on"][c] for r in rounds],
-            "tokens_per_s_off": [r["tokens_per_s"]["off"][c] for r in rounds],
-            "target_met": median is not None and median >= TARGET_RATIO}
+            **{f"tokens_per_s_{m}": [r["tokens_per_s"][m][c] for r in rounds] for m in pair},
+            "target_met": median is not None and median >= target}
     failed = sum(d[c]["requests_failed"] for r in rounds for d in r["detail"].values() for c in d)
+    captured = [m for m in pair if m != "off"]
     result = {
-        "benchmark": "capture_overhead",
+        "benchmark": "capture_overhead" + ("_teacher" if args.teacher_top_k > 0 else ""),
         "drafter": str(args.drafter), "config": str(args.config), "rounds": args.rounds,
+        "teacher_top_k": args.teacher_top_k, "teacher_sample_rate": args.teacher_sample_rate,
+        "serve_args": args.serve_args,
         "max_tokens": args.max_tokens, "requests": {"1": args.requests_c1, "16": args.requests_c16},
         "warmup": args.warmup, "prompts": "sharegpt held_out, temperature 0, ignore_eos",
-        "target": f"tokens/s ratio on/off >= {TARGET_RATIO} (median over rounds)",
+        "target": f"tokens/s ratio {pair[0]}/{pair[1]} >= {target} (median over rounds)",
         "per_concurrency": per_concurrency,
         "target_met": all(v["target_met"] for v in per_concurrency.values()),
         "requests_failed": failed,
-        "capture": {"records_captured": [r["capture"]["records_captured"] for r in rounds],
-                    "records_dropped": [r["capture"]["records_dropped"] for r in rounds],
-                    "requests_sent": [r["capture"]["requests_sent"] for r in rounds]},
+        "capture": {m: {key: [r["capture"][m][key] for r in rounds] for key in (
+            "records_captured", "records_dropped", "requests_sent", "blocks", "teacher_blocks", "bytes_per_block")}
+            for m in captured},
         "rounds_detail": rounds,
         "note": "each mode runs in its own server process; shared 2-core machine, expect noise of a few %",
     }
