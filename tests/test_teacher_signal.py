@@ -362,3 +362,31 @@ def test_records_without_a_teacher_replay_as_before(target, drafter, mixed):
     torch.testing.assert_close(batch.target_logits, naive.target_logits, atol=1e-4, rtol=1e-4)
     assert batch.target_logits.dtype == target.dtype  # the raw logits, not log-probabilities
     assert batch.num_target_tokens == len(tokens) + sum(len(b.draft_tokens) - 1 for b in blocks)
+
+
+def test_a_training_step_replays_the_captured_teacher_unless_told_not_to(target, drafter, mixed):
+    """``replay_records`` (what every trainer step calls, ``trainer.captured_teacher`` choosing
+    ``use_teacher``): with a full-vocabulary teacher the step's loss is the recomputed one; with top-4 it
+    is the reconstruction's, and ``use_teacher=False`` ignores the teacher."""
+    from online_opd.config_training import TrainerConfig
+    from online_opd.traces.records import SequenceRecord
+    from online_opd.train.opd import objective_fn, replay_records
+
+    tokens, blocks = mixed
+
+    def record(blocks):
+        return SequenceRecord(record_id="r", model_id="m", drafter_version="v", temperature=0.0, top_p=1.0,
+                              top_k=0, tokens=tuple(tokens.tolist()), prompt_len=len(PROMPT), blocks=tuple(blocks))
+
+    def loss(blocks, use_teacher):
+        out = replay_records(target, drafter, [record(blocks)], objective_fn(TrainerConfig()),
+                             anchors_per_sequence=len(blocks), generator=torch.Generator().manual_seed(0),
+                             use_teacher=use_teacher)
+        return float(out.loss.detach())
+
+    plain = loss(blocks, True)
+    assert loss(with_teacher(target, tokens, blocks, VOCAB), True) == pytest.approx(plain, rel=1e-5, abs=1e-6)
+    top4 = with_teacher(target, tokens, blocks, 4)
+    assert loss(top4, False) == pytest.approx(plain, rel=1e-6, abs=1e-7)
+    assert abs(loss(top4, True) - plain) > 1e-4
+    assert TrainerConfig().captured_teacher and not TrainerConfig(captured_teacher=False).captured_teacher
