@@ -300,14 +300,15 @@ def test_the_online_trainer_polls_and_resumes_from_a_bucket(s3, tmp_path):
              "state_dir": tmp_path / "state"}
 
     trainer = OnlineTrainer(cfg, **paths)
-    assert trainer.poll() == len(records) and trainer.cursor == last
+    assert trainer.poll() == len(records) and trainer.pools.cursor == last
     train, held_out = split_held_out(records, 0.3, 4)
     assert 0 < len(held_out) < len(records)
-    assert [r.record_id for r in trainer.window] == [r.record_id for r in train]
-    assert [r.record_id for r in trainer.held_out] == [r.record_id for r in held_out]
+    assert [r.record_id for r in trainer.pools.window] == [r.record_id for r in train]
+    assert [r.record_id for r in trainer.pools.held_out] == [r.record_id for r in held_out]
     trainer.save()
     resumed = OnlineTrainer(cfg, **paths)
-    assert resumed.cursor == last and [r.record_id for r in resumed.window] == [r.record_id for r in train]
+    assert resumed.pools.cursor == last
+    assert [r.record_id for r in resumed.pools.window] == [r.record_id for r in train]
     assert resumed.poll() == 0
 
 

@@ -93,9 +93,9 @@ def test_poll_routes_records_and_drops_invalid_ones(world, tmp_path):
     kept = trainer.poll()
     train, held_out = split_held_out(good, HELD_OUT, SPLIT_PREFIX)
     assert 0 < len(held_out) < len(good) and kept == len(good)
-    assert [r.record_id for r in trainer.window] == [r.record_id for r in train]
-    assert [r.record_id for r in trainer.held_out] == [r.record_id for r in held_out]
-    assert list(trainer.fresh) == [r.record_id for r in train]
+    assert [r.record_id for r in trainer.pools.window] == [r.record_id for r in train]
+    assert [r.record_id for r in trainer.pools.held_out] == [r.record_id for r in held_out]
+    assert list(trainer.pools.fresh) == [r.record_id for r in train]
     stats = trainer.stats()
     assert stats["records_seen"] == len(good) + len(extra) and stats["records_invalid"] == 1
     assert stats["records_unusable"] == len(extra) - 1
@@ -103,7 +103,7 @@ def test_poll_routes_records_and_drops_invalid_ones(world, tmp_path):
     assert trainer.poll() == 0  # the cursor moved past both segments
 
     # invalid records are never trained on: every sampled record is one of the good train records
-    picked = {r.record_id for _ in range(5) for r in trainer.sample()}
+    picked = {r.record_id for _ in range(5) for r in trainer.pools.sample(trainer.generator)}
     assert picked <= {r.record_id for r in train}
 
 
@@ -111,13 +111,13 @@ def test_step_trains_fresh_records_first(world, tmp_path):
     trainer = OnlineTrainer(_config(fresh_fraction=1.0), **_setup(world, tmp_path))
     assert trainer.step() is None  # nothing polled yet
     trainer.poll()
-    newest = list(trainer.fresh)[-2:]
+    newest = list(trainer.pools.fresh)[-2:]
     before = _weights(trainer)
     stats = trainer.step()
     assert stats["step"] == 1 and stats["replayed_tokens"] > 0
     assert all(math.isfinite(stats[k]) for k in ("loss", "loss_accepted", "loss_rejected", "grad_norm"))
-    assert not any(r in trainer.fresh for r in newest)  # the newest fresh records were replayed
-    assert len(trainer.fresh) == trainer.stats()["train_pool"] - 2
+    assert not any(r in trainer.pools.fresh for r in newest)  # the newest fresh records were replayed
+    assert len(trainer.pools.fresh) == trainer.stats()["train_pool"] - 2
     after = _weights(trainer)
     assert any(not torch.equal(before[k], after[k]) for k in before)
     assert trainer.stats()["steps"] == 1 and trainer.stats()["status"] == "training"
@@ -204,7 +204,7 @@ def test_run_gates_publishes_and_resumes(world, tmp_path):
 
     # a new trainer on the same state resumes: same step, weights, counters; pools rebuilt, none fresh
     resumed = OnlineTrainer(_config(max_steps=4), **paths)
-    assert resumed.step_count == 3 and resumed.cursor == trainer.cursor
+    assert resumed.step_count == 3 and resumed.pools.cursor == trainer.pools.cursor
     assert all(torch.equal(a, b) for a, b in zip(_weights(trainer).values(), _weights(resumed).values()))
     stats = resumed.stats()
     assert stats["records_seen"] == final["records_seen"] and stats["gates"] == 1
@@ -215,7 +215,8 @@ def test_run_gates_publishes_and_resumes(world, tmp_path):
     # a smaller window is refilled with the newest train records only
     small = OnlineTrainer(_config(window_records=3), **paths)
     train, _ = split_held_out(world["records"], HELD_OUT, SPLIT_PREFIX)
-    assert small.step_count == 4 and [r.record_id for r in small.window] == [r.record_id for r in train[-3:]]
+    assert small.step_count == 4
+    assert [r.record_id for r in small.pools.window] == [r.record_id for r in train[-3:]]
 
 
 def test_lr_warms_up_linearly_then_stays_constant_across_a_resume(world, tmp_path):
@@ -314,7 +315,7 @@ def test_a_fresh_drafter_that_never_speculated_learns_from_plain_records(world, 
     cfg.trainer.anchors_per_sequence = 8
     trainer = OnlineTrainer(cfg, **_setup(world, tmp_path, plain_records))
     assert trainer.poll() == len(plain_records) and trainer.stats()["records_unusable"] == 0
-    num_held_out = len(trainer.held_out)
+    num_held_out = len(trainer.pools.held_out)
     assert 2 <= num_held_out < len(plain_records) // 2
     before = _weights(trainer)
     losses = [trainer.step()["loss"] for _ in range(30)]

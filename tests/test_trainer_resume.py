@@ -54,7 +54,7 @@ def _paths(world, tmp_path: Path, state: str = "state") -> dict:
 
 
 def _draw(trainer: OnlineTrainer, times: int) -> list[list[str]]:
-    return [[r.record_id for r in trainer.sample()] for _ in range(times)]
+    return [[r.record_id for r in trainer.pools.sample(trainer.generator)] for _ in range(times)]
 
 
 def test_resumed_online_trainer_samples_what_an_uninterrupted_one_would(world, tmp_path):
@@ -68,7 +68,7 @@ def test_resumed_online_trainer_samples_what_an_uninterrupted_one_would(world, t
     assert _draw(first, 2) == expected[:2]
     first.save()
     resumed = OnlineTrainer(cfg, **_paths(world, tmp_path, "split"))
-    assert [r.record_id for r in resumed.window] == [r.record_id for r in first.window]
+    assert [r.record_id for r in resumed.pools.window] == [r.record_id for r in first.pools.window]
     assert _draw(resumed, 2) == expected[2:]
 
     restarted = OnlineTrainer(cfg, **_paths(world, tmp_path, "fresh-start"))  # the generator from its seed

@@ -3,27 +3,9 @@
 ``OnlineTrainer`` is the whole trainer as plain Python; serve/trainer_actor.py
 runs it as a Ray actor (this module imports neither ray nor vllm).
 
-Data. ``poll`` tails the buffer (``BufferReader.tail`` with ``settle_s``) and
-checks every record against the capture-fidelity contract: violators are
-dropped and counted (``records_invalid``), never trained on. A record with
-neither a replayable block (1..K tokens, K = the drafter's block size) nor
-two output tokens to simulate one on is counted as ``records_unusable``.
-The rest is routed by the gate's stable hash of the prompt's first tokens
-(``gate.is_held_out``: siblings, repeated prompts and a conversation's turns
-stay on one side) to the held-out pool (the newest
-``gate.max_records``) or to the train window (the newest
-``online.window_records``). A train record is *fresh* until a step has
-replayed it.
-
-Sampling (the replay ratio). Each step replays ``trainer.sequences_per_step``
-records: ``round(online.fresh_fraction * n)`` fresh ones, newest first
-(drafted by the most recent serving drafter, so the most on-policy), and the
-rest uniformly from the whole window, with replacement. When fewer fresh
-records exist the window fills the gap, so an idle server still gets
-training on recent traffic. Each record contributes up to
-``trainer.anchors_per_sequence`` random blocks, replayed in one packed pass
-(replay.py) and scored with ``trainer.objective`` exactly as the offline
-``opd_step_fn`` does.
+Data and sampling (the replay ratio): train/record_pools.py (``RecordPools``, held as ``pools``).
+Each sampled record contributes up to ``trainer.anchors_per_sequence`` random blocks, replayed in one
+packed pass (replay.py) and scored with ``trainer.objective`` exactly as the offline ``opd_step_fn`` does.
 
 Blocks of any length; records without blocks (``opd.plan_replay``). Logged
 blocks of 1..K tokens replay as they are; a record served mostly or wholly
@@ -59,9 +41,9 @@ State. ``save`` writes the drafter, AdamW, schedule, step, RNG, the buffer
 cursor and the counters to ``state_dir`` (train/state.py: tmp + fsync +
 rename). A new ``OnlineTrainer`` on the same ``state_dir`` resumes from it:
 the weights come from the state, not from the registry, and the pools are
-rebuilt by re-reading the newest segments up to the saved cursor (those
-records count as already trained on; retention may have removed some). Counting goes on
-from the saved counters. ``max_steps`` counts all steps, resumed ones too.
+rebuilt up to the saved cursor (``RecordPools.resume``: those records count as
+already trained on). Counting goes on from the saved counters. ``max_steps``
+counts all steps, resumed ones too.
 
 Data-parallel (``trainer.num_workers > 1``): this trainer is rank 0, the one that decides;
 train/online_dp.py runs its loop and the replicas of the other ranks.
@@ -85,7 +67,6 @@ import logging
 import math
 import threading
 import time
-from collections import OrderedDict, deque
 from pathlib import Path
 from typing import Any
 
@@ -95,19 +76,19 @@ from online_opd.config import OnlineOPDConfig
 from online_opd.models.drafters.checkpoint import load_drafter
 from online_opd.models.target_model import TargetModel
 from online_opd.opd.losses import LOSSES
-from online_opd.release.gate import evaluate_gate, is_held_out
+from online_opd.release.gate import evaluate_gate
 from online_opd.release.registry import DrafterRegistry
-from online_opd.traces.buffer import BufferReader, CorruptSegment
-from online_opd.traces.records import SequenceRecord, check_fidelity
+from online_opd.traces.records import SequenceRecord
 from online_opd.train.load import EngineLoad
 from online_opd.train.online_dp import new_optimizer, replay_update
-from online_opd.train.opd import objective_fn, plan_replay, replayable_blocks
+from online_opd.train.opd import objective_fn, plan_replay
+from online_opd.train.record_pools import RecordPools
 from online_opd.train.state import STATE_FILE, load_state, save_state
 
 logger = logging.getLogger(__name__)
 
-_COUNTERS = ("steps", "replayed_tokens", "records_seen", "records_invalid", "records_unusable", "records_simulated",
-             "gates", "promotions", "rejections", "errors", "resyncs")
+_COUNTERS = ("steps", "replayed_tokens", "records_seen", "records_invalid", "records_unusable",
+             "records_simulated", "gates", "promotions", "rejections", "errors", "resyncs")
 
 
 class OnlineTrainer:
@@ -139,20 +120,16 @@ class OnlineTrainer:
         self.optimizer, self.scheduler = self._new_optimizer()
         self.objective = objective_fn(tcfg)
         self.generator = torch.Generator().manual_seed(tcfg.seed)
-        self.reader = BufferReader(buffer_dir)
-        self.cursor: str | None = None
+        self.pools = RecordPools(cfg, buffer_dir)
         self.step_count = 0
-        self.window: deque[SequenceRecord] = deque(maxlen=cfg.online.window_records)
-        self.fresh: OrderedDict[str, SequenceRecord] = OrderedDict()  # untrained records of the window
-        self.held_out: deque[SequenceRecord] = deque(maxlen=cfg.gate.max_records)
         self._lock = threading.Lock()
         self.load = EngineLoad(cfg.online.idle_after_s)
-        self._warned_unusable = False
         self._saved_step = -1
         self._stats: dict[str, Any] = {
             "status": "waiting_for_data", **{k: 0 for k in _COUNTERS}, "loss": None, "loss_accepted": None,
             "loss_rejected": None, "lr": None, "grad_norm": None, "step_seconds": None, "train_seconds": 0.0,
-            "rest_seconds": 0.0, "last_gate": None, "last_published": None, "last_error": None, "trained_from": current.version,
+            "rest_seconds": 0.0, "last_gate": None, "last_published": None, "last_error": None,
+            "trained_from": current.version,
         }
         self._resume()
         self.sync_with_registry()
@@ -160,46 +137,13 @@ class OnlineTrainer:
     # ---- data -------------------------------------------------------------------------------------
 
     def poll(self) -> int:
-        """Read new buffer records into the pools; returns how many were kept (train + held-out)."""
-        if not self.reader.exists():  # no server has captured anything yet
-            return 0
-        records, self.cursor = self.reader.tail(self.cursor, settle_s=self.cfg.online.settle_s)
-        counts = {"records_seen": len(records), "records_invalid": 0, "records_unusable": 0}
-        kept = 0
-        for record in records:
-            verdict = self._route(record, fresh=True)
-            if verdict == "kept":
-                kept += 1
-            else:
-                counts[verdict] += 1
-        if counts["records_unusable"] and not self.window and not self._warned_unusable:
-            self._warned_unusable = True
-            logger.warning("online trainer: %d records unusable (no block of 1..K=%d tokens and fewer than two "
-                           "output tokens)", counts["records_unusable"], self.block_size)
+        """Read new buffer records into the pools (``RecordPools.poll``) and add them to the counters;
+        returns how many were kept (train + held-out)."""
+        kept, counts = self.pools.poll(self.block_size)
         with self._lock:
             for key, value in counts.items():
                 self._stats[key] += value
         return kept
-
-    def _route(self, record: SequenceRecord, *, fresh: bool) -> str:
-        """Put one record in its pool: "kept", or the counter it was dropped under."""
-        if not replayable_blocks(record, self.block_size) and len(record.tokens) - record.prompt_len < 2:
-            return "records_unusable"
-        errors = check_fidelity(record)
-        if errors:
-            logger.warning("online trainer: dropping record %s: %s", record.record_id, "; ".join(errors[:3]))
-            return "records_invalid"
-        if is_held_out(record, self.cfg.gate.held_out_fraction, self.cfg.gate.split_prefix_tokens):
-            self.held_out.append(record)  # the gate scores any K, and walks a record without blocks
-            return "kept"
-        if len(self.window) == self.window.maxlen:  # the oldest leaves the window, and with it fresh
-            evicted = self.window[0]
-            if self.fresh.get(evicted.record_id) is evicted:
-                del self.fresh[evicted.record_id]
-        self.window.append(record)
-        if fresh:
-            self.fresh[record.record_id] = record
-        return "kept"
 
     def replay_plan(self, record: SequenceRecord) -> SequenceRecord | None:
         """The record as this step replays it (``opd.plan_replay``); counts simulated ones."""
@@ -210,21 +154,6 @@ class OnlineTrainer:
                 self._stats["records_simulated"] += 1
         return planned
 
-    def sample(self) -> list[SequenceRecord]:
-        """This step's records: the fresh share newest first, the rest uniformly from the window.
-
-        The picked records stop being fresh here, before replay, so a record that makes replay fail
-        is not picked again and again as the newest fresh one.
-        """
-        num = self.cfg.trainer.sequences_per_step
-        num_fresh = min(len(self.fresh), round(num * self.cfg.online.fresh_fraction))
-        picks = list(self.fresh.values())[len(self.fresh) - num_fresh:][::-1]
-        window = list(self.window)
-        picks += [window[i] for i in torch.randint(len(window), (num - num_fresh,), generator=self.generator)]
-        for record in picks:
-            self.fresh.pop(record.record_id, None)
-        return picks
-
     # ---- training ---------------------------------------------------------------------------------
 
     def step(self) -> dict[str, Any] | None:
@@ -234,12 +163,12 @@ class OnlineTrainer:
         return None if records is None else self.train_step(records, start)
 
     def next_records(self) -> list[SequenceRecord] | None:
-        """This step's records as replayed (``sample``, then ``replay_plan``); None below
+        """This step's records as replayed (``pools.sample``, then ``replay_plan``); None below
         ``online.min_records`` or when every pick was too short to simulate a settled block on."""
-        if len(self.window) < self.cfg.online.min_records:
+        if len(self.pools.window) < self.cfg.online.min_records:
             return None
         self.drafter.train()
-        return [r for r in map(self.replay_plan, self.sample()) if r is not None] or None
+        return [r for r in map(self.replay_plan, self.pools.sample(self.generator)) if r is not None] or None
 
     def train_step(self, records: list[SequenceRecord], start: float | None = None) -> dict[str, Any]:
         """One optimizer step on ``records`` (online_dp.replay_update: every rank of a data-parallel
@@ -284,7 +213,8 @@ class OnlineTrainer:
         serving = self._load_drafter(current.path)
         self.drafter.eval()
         try:
-            result = evaluate_gate(self.target, self.drafter, serving, list(self.held_out), self.cfg.gate)
+            result = evaluate_gate(self.target, self.drafter, serving, list(self.pools.held_out),
+                                   self.cfg.gate)
         finally:
             self.drafter.train()
         with self._lock:
@@ -343,9 +273,10 @@ class OnlineTrainer:
         with self._lock:
             kept = (*_COUNTERS, "last_gate", "last_published", "trained_from")
             counters = {k: self._stats[k] for k in kept}
-        extra = {"cursor": self.cursor, "counters": counters}
-        path = save_state(self.state_dir, step=self.step_count, drafter=self.drafter, optimizer=self.optimizer,
-                          scheduler=self.scheduler, extra=extra, generator=self.generator)
+        extra = {"cursor": self.pools.cursor, "counters": counters}
+        path = save_state(self.state_dir, step=self.step_count, drafter=self.drafter,
+                          optimizer=self.optimizer, scheduler=self.scheduler, extra=extra,
+                          generator=self.generator)
         self._saved_step = self.step_count
         return path
 
@@ -364,34 +295,10 @@ class OnlineTrainer:
             self._stats.update(extra.get("counters", {}), steps=self.step_count)
             if self.step_count:
                 self._stats["status"] = "training"
-        self.cursor = extra.get("cursor")
-        if self.cursor is not None:
-            self._rebuild_pools(self.cursor)
+        self.pools.resume(extra.get("cursor"), self.block_size)
         self._saved_step = self.step_count
         logger.info("online trainer resumed at step %d (%d train, %d held-out records)",
-                    self.step_count, len(self.window), len(self.held_out))
-
-    def _rebuild_pools(self, cursor: str) -> None:
-        """Refill the pools from the segments up to ``cursor``, newest first, reading only as many
-        segments as the pools hold; these records were trained on already, so none is fresh."""
-        if not self.reader.exists():
-            return
-        chunks: list[list[SequenceRecord]] = []
-        need_train, need_held_out = self.window.maxlen or 0, self.held_out.maxlen or 0
-        for info in reversed([s for s in self.reader.segments() if s.name <= cursor]):
-            try:
-                records = self.reader.read_segment(info)
-            except (CorruptSegment, OSError):  # counted when it was first read; deleted since
-                continue
-            chunks.append(records)
-            gate = self.cfg.gate
-            held = sum(is_held_out(r, gate.held_out_fraction, gate.split_prefix_tokens) for r in records)
-            need_train, need_held_out = need_train - (len(records) - held), need_held_out - held
-            if need_train <= 0 and need_held_out <= 0:
-                break
-        for records in reversed(chunks):
-            for record in records:
-                self._route(record, fresh=False)
+                    self.step_count, len(self.pools.window), len(self.pools.held_out))
 
     # ---- loop -------------------------------------------------------------------------------------
 
@@ -473,7 +380,8 @@ class OnlineTrainer:
                 self._stats["status"] = "waiting_for_data"
 
     def gate_and_checkpoint(self) -> None:
-        """After a step: the gate every ``gate.every_steps`` steps, a save every ``online.checkpoint_every``."""
+        """After a step: the gate every ``gate.every_steps`` steps, a save every
+        ``online.checkpoint_every``."""
         if self.step_count % self.cfg.gate.every_steps == 0:
             try:
                 self.gate()
@@ -511,8 +419,8 @@ class OnlineTrainer:
         """Figures for /metrics and the admin surface (JSON-safe; safe to call from another thread)."""
         with self._lock:
             out = dict(self._stats)
-        out.update(train_pool=len(self.window), fresh_records=len(self.fresh),
-                   held_out_pool=len(self.held_out), engines_idle=self.load.idle())
+        out.update(train_pool=len(self.pools.window), fresh_records=len(self.pools.fresh),
+                   held_out_pool=len(self.pools.held_out), engines_idle=self.load.idle())
         return out
 
     def _load_drafter(self, path: Path):
