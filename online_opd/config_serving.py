@@ -46,6 +46,19 @@ class CaptureConfig(StrictModel):
     teacher_sample_rate: float = Field(
         1.0, ge=0, le=1, description="Share of the captured requests whose blocks carry the teacher signal "
                                      "(decided per request; costs a top-k over their verified rows).")
+    hidden_sample_rate: float = Field(
+        0.0, ge=0, le=1, description="Share of the teacher-carrying requests whose record also keeps the "
+                                     "target's aux hidden states the DFlash drafter reads (the serving "
+                                     "dtype, layers x hidden size values per token: 5.8 kB per token for "
+                                     "SmolLM2-135M in bfloat16); replay then runs no target forward for "
+                                     "them. Needs teacher_top_k > 0. 0 = off.")
+
+    @model_validator(mode="after")
+    def _hidden_needs_the_teacher(self):
+        if self.hidden_sample_rate > 0 and self.teacher_top_k == 0:
+            raise ValueError("capture.hidden_sample_rate > 0 needs capture.teacher_top_k > 0 (the features "
+                             "spare replay's target forward only where the blocks carry the teacher too)")
+        return self
 
     @field_validator("buffer_dir", mode="before")
     @classmethod

@@ -206,7 +206,8 @@ def serve_env(cfg: OnlineOPDConfig, target: Path, drafter: Path, *, capture: boo
             sample_rate=c.sample_rate, queue_size=c.queue_size, flush_records=c.flush_records,
             flush_interval_s=c.flush_interval_s, max_bytes=c.max_bytes, max_age_s=c.max_age_s,
             retention_interval_s=c.retention_interval_s, teacher_top_k=c.teacher_top_k,
-            teacher_sample_rate=c.teacher_sample_rate, replica=replica_name()).to_env()
+            teacher_sample_rate=c.teacher_sample_rate, hidden_sample_rate=c.hidden_sample_rate,
+            replica=replica_name()).to_env()
     return env
 
 

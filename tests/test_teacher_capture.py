@@ -105,9 +105,11 @@ def test_capture_settings_refuse_bad_teacher_values():
 
 @pytest.mark.slow
 def test_captured_top_k_equals_an_hf_forward_of_the_target(tmp_path):
-    """vLLM's real CPU engine (float32, prompt-lookup drafts) at T = 0 and T = 0.8: every captured
+    """vLLM's real CPU engine (float32, a DFlash drafter at K = 4) at T = 0 and T = 0.8: every captured
     block's top-k ids and log-probabilities at its drafted positions and bonus position equal the
-    HF target's log_softmax over the block's drafted prefix (rejected drafts included)."""
+    HF target's log_softmax over the block's drafted prefix (rejected drafts included), and every record's
+    captured features (capture.hidden_sample_rate) equal the target's aux hidden states on its tokens
+    (positions start..T-2: no rejected draft's row left behind)."""
     from online_opd.models.target import ensure_embedded_target
 
     target = ensure_embedded_target()
@@ -119,6 +121,10 @@ def test_captured_top_k_equals_an_hf_forward_of_the_target(tmp_path):
     result = json.loads((tmp_path / "result.json").read_text())
     assert result["capture"]["errors"] == 0
     assert set(result["per_temperature"]) == {"0.0", "0.8"}
+    hidden = result["hidden"]
+    assert hidden["with_hidden"] == hidden["records"] >= 10, hidden
+    assert hidden["rows"] == result["capture"]["hidden_rows"] > 0, hidden
+    assert hidden["max_rel_diff"] < 1e-3, hidden  # |diff| / max(|value|, 1): float32 summation order only
     for temperature, figures in result["per_temperature"].items():
         assert figures["teacher_blocks"] == figures["blocks"] >= 5, (temperature, figures)
         assert figures["partial_blocks"] > 0, (temperature, figures)  # rows after a rejection too

@@ -65,12 +65,30 @@ distribution whatever the request's temperature; the block carries them as
 ``BlockRecord.teacher`` and replay then needs no target forward over the
 drafted positions (online_opd/opd/replay.py). Same host copy as the draft ids.
 
+The target's features (``hidden_sample_rate`` > 0, DFlash drafters). For a share
+of the teacher-carrying requests the record also keeps the target's aux hidden
+states the drafter reads (``SequenceRecord.hidden``), so replay runs no target
+forward at all. ``DFlashProposer.propose`` receives them for every token the
+target processed in the step (``target_hidden_states``, request i's rows
+``query_start_loc[i]:query_start_loc[i + 1]``, their ``target_positions``): the
+prefill chunks' prompt tokens, and per decode step the anchor and its drafts.
+The request keeps them by position, later rows overwriting earlier ones: a
+rejected draft's row at position p is replaced when the target processes the
+token sampled there (the next step, or a recompute after preemption), and every
+position before the last token is processed with its final token before the
+request ends. At the end the rows for positions 0..T-2 are joined; positions the
+target never ran (a prefix-cache hit, a step without the drafter) start the
+kept rows after the last one missing (``TargetHidden.start``). A request whose
+rows pass ``HIDDEN_MAX_BYTES`` stops keeping them.
+
 Only one rank captures (tensor-parallel rank 0 of the last pipeline stage).
 Nothing here raises into vLLM: errors are logged once and counted.
 """
 
 from __future__ import annotations
 
+import functools
+import inspect
 import logging
 import random
 import threading
@@ -80,10 +98,10 @@ from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from online_opd.opd.replay import top_k_logprobs
-from online_opd.traces.records import BlockRecord, SequenceRecord, TeacherTopK
+from online_opd.traces.records import HIDDEN_DTYPES, BlockRecord, SequenceRecord, TargetHidden, TeacherTopK
 from online_opd.traces.writer import BufferWriter
 from vllm_patches import draft_trim, ngram_fallback
 from vllm_patches.request_checks import OPT_OUT_KEY, read_capture_flag
@@ -112,6 +130,14 @@ class CaptureSettings(BaseModel):
     seed: int | None = None
     teacher_top_k: int = Field(0, ge=0)  # the verifier's top-k log-probabilities per verified row; 0 = off
     teacher_sample_rate: float = Field(1.0, ge=0, le=1)  # share of captured requests whose blocks carry them
+    hidden_sample_rate: float = Field(0.0, ge=0, le=1)  # share of those that also keep the target's features
+
+    @model_validator(mode="after")
+    def _hidden_needs_the_teacher(self) -> "CaptureSettings":
+        if self.hidden_sample_rate > 0 and self.teacher_top_k == 0:
+            raise ValueError("hidden_sample_rate > 0 needs teacher_top_k > 0: the target's features only spare "
+                             "replay's target forward where the blocks carry the teacher too")
+        return self
 
     def to_env(self) -> str:
         return self.model_dump_json()
@@ -161,6 +187,8 @@ class _Tracked:
     preemptions_at_last_block: int = 0
     num_plain_steps: int = 0  # steps that gave it a token without verifying a block, since its last block
     teacher: bool = False  # its blocks carry the verifier's top-k log-probabilities (TeacherTopK)
+    hidden: list | None = None  # (positions, rows, host-copy events) per step: the target's features; None = off
+    hidden_bytes: int = 0
 
     def append_block(self, block: _Drafted, ids: list[int], num_accepted: int,
                      teacher: TeacherTopK | None = None) -> None:
@@ -239,7 +267,9 @@ class Capture:
         self._writer: BufferWriter | None = None
         self._errors_logged: set[str] = set()
         self.counters = {"requests_seen": 0, "captured": 0, "dropped": 0, "opted_out": 0,
-                         "not_sampled": 0, "blocks": 0, "teacher_blocks": 0, "errors": 0}
+                         "not_sampled": 0, "blocks": 0, "teacher_blocks": 0, "hidden_records": 0,
+                         "hidden_rows": 0, "hidden_over_limit": 0, "errors": 0}
+        self.proposing: list[str] | None = None  # the step's request ids while its drafter proposes
 
     # -- engine events -------------------------------------------------------------------------
     def on_schedule(self, scheduler_output: Any) -> None:
@@ -293,6 +323,29 @@ class Capture:
             (ids, ids_ready), (logprobs, logprobs_ready) = _to_host(ids), _to_host(logprobs)
             top_k = _TopK(ids, logprobs, (ids_ready, logprobs_ready))
         return _Step(blocks, draft_ids, ready, top_k)
+
+    def on_context(self, req_ids: list[str], positions: torch.Tensor, query_start_loc: torch.Tensor,
+                   hidden: torch.Tensor) -> None:
+        """A step's target features ([tokens, width], the drafter's input; request i's rows
+        ``query_start_loc[i]:query_start_loc[i + 1]`` at ``positions``) for the requests keeping them."""
+        with self._lock:
+            picks = [(i, t) for i, rid in enumerate(req_ids)
+                     if (t := self._tracked.get(rid)) is not None and t.hidden is not None]
+        if not picks:
+            return
+        bounds = query_start_loc.tolist()
+        row_bytes = hidden.shape[1] * hidden.element_size()
+        for i, t in picks:
+            lo, hi = bounds[i], bounds[i + 1]
+            if hi <= lo:
+                continue
+            t.hidden_bytes += (hi - lo) * row_bytes
+            if t.hidden_bytes > HIDDEN_MAX_BYTES:
+                t.hidden = None
+                self.counters["hidden_over_limit"] += 1
+                continue
+            (pos, pos_ready), (rows, rows_ready) = _to_host(positions[lo:hi]), _to_host(hidden[lo:hi])
+            t.hidden.append((pos, rows, (pos_ready, rows_ready)))
 
     def on_output(self, step: _Step | None, req_ids: list[str], sampled: list[list[int]]) -> None:
         """Append a step's sampled tokens and verified blocks to the tracked requests."""
@@ -358,11 +411,13 @@ class Capture:
             stop.add(sp.eos_token_id)
         is_cache_hit = int(getattr(new, "num_computed_tokens", 0) or 0) > 0
         teacher = self.settings.teacher_top_k > 0 and self._rng.random() < self.settings.teacher_sample_rate
+        hidden = teacher and self.settings.hidden_sample_rate > 0 and \
+            self._rng.random() < self.settings.hidden_sample_rate
         self._tracked[new.req_id] = _Tracked(
             prompt=list(new.prompt_token_ids), temperature=float(sp.temperature),
             top_p=float(sp.top_p), top_k=max(int(sp.top_k or 0), 0), max_tokens=sp.max_tokens,
             stop_ids=frozenset(stop), version=self.version,
-            is_context_pure=self._is_cache_pure or not is_cache_hit, teacher=teacher)
+            is_context_pure=self._is_cache_pure or not is_cache_hit, teacher=teacher, hidden=[] if hidden else None)
 
     def _finish(self, t: _Tracked) -> None:
         outputs = kept_output_ids(t.outputs, t.max_tokens, t.stop_ids)
@@ -370,16 +425,25 @@ class Capture:
             return
         tokens = t.prompt + outputs
         blocks = tuple(b for b in t.blocks if b.anchor <= len(tokens) - 2)
+        hidden = None
+        if t.hidden:
+            try:
+                hidden = join_hidden(t.hidden, len(tokens) - 1)
+            except Exception as exc:
+                self.error("join_hidden", exc)
         record = SequenceRecord(
             record_id=uuid.uuid4().hex, model_id=self.settings.model_id,
             drafter_version=blocks[0].drafter_version if blocks else t.version,
             temperature=t.temperature, top_p=t.top_p, top_k=t.top_k, tokens=tuple(tokens),
             prompt_len=len(t.prompt), blocks=blocks, events=tuple(t.events), captured_at=time.time(),
-            replica=self.settings.replica or self._get_writer().writer_id)
+            replica=self.settings.replica or self._get_writer().writer_id, hidden=hidden)
         if self._get_writer().submit(record):
             self.counters["captured"] += 1
             self.counters["blocks"] += len(blocks)
             self.counters["teacher_blocks"] += sum(b.teacher is not None for b in blocks)
+            if hidden is not None:
+                self.counters["hidden_records"] += 1
+                self.counters["hidden_rows"] += hidden.num_rows
 
     def _get_writer(self) -> BufferWriter:
         if self._writer is None:  # started lazily: only the capturing process runs a writer thread
@@ -390,6 +454,36 @@ class Capture:
                 flush_interval_s=s.flush_interval_s, max_bytes=s.max_bytes, max_age_s=s.max_age_s,
                 retention_interval_s=s.retention_interval_s)
         return self._writer
+
+
+HIDDEN_MAX_BYTES = 256 << 20  # a request's kept feature rows (rejected drafts' included) past this: kept no more
+
+
+def join_hidden(parts: list, num_positions: int) -> TargetHidden | None:
+    """The rows for positions 0..num_positions - 1 from a request's (positions, rows, events) parts, in step
+    order (a later row for a position replaces an earlier one), from the first position after the last
+    one missing; None when none is left or a kept row is not finite."""
+    if num_positions <= 0 or not parts:
+        return None
+    for _, _, events in parts:
+        for event in events:
+            if event is not None:
+                event.synchronize()
+    width, dtype = parts[0][1].shape[1], parts[0][1].dtype
+    out = torch.empty(num_positions, width, dtype=dtype)
+    covered = torch.zeros(num_positions, dtype=torch.bool)
+    for positions, rows, _ in parts:
+        keep = (positions >= 0) & (positions < num_positions)
+        out[positions[keep]] = rows[keep]
+        covered[positions[keep]] = True
+    missing = (~covered).nonzero()
+    start = int(missing[-1]) + 1 if missing.numel() else 0
+    rows = out[start:]
+    if start >= num_positions or not bool(rows.isfinite().all()):
+        return None
+    if str(dtype).removeprefix("torch.") not in HIDDEN_DTYPES:
+        rows = rows.float()
+    return TargetHidden.from_tensor(start, rows)
 
 
 def _to_host(t: torch.Tensor) -> tuple[torch.Tensor, Any]:
@@ -485,9 +579,46 @@ def install(settings: CaptureSettings) -> Capture:
     GPUModelRunner._update_states = _update_states
     GPUModelRunner._sample = _sample
     GPUModelRunner.sample_tokens = sample_tokens
+    if settings.hidden_sample_rate > 0:
+        _install_hidden(cap, _enabled)
     logger.info("online-opd capture installed: buffer %s, sample rate %.3g",
                 settings.buffer_dir, settings.sample_rate)
     return cap
+
+
+def _install_hidden(cap: Capture, enabled: Any) -> None:
+    """The target's features: ``DFlashProposer.propose`` hands them to ``cap.on_context``, with the step's
+    request ids, which the model runner's ``propose_draft_token_ids`` (the proposer's caller) sets."""
+    from vllm.v1.spec_decode.dflash import DFlashProposer
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    orig_propose, orig_propose_ids = DFlashProposer.propose, GPUModelRunner.propose_draft_token_ids
+    signature = inspect.signature(orig_propose)
+
+    def propose_draft_token_ids(self, *args, **kwargs):
+        cap.proposing = list(self.input_batch.req_ids) if enabled(self) else None
+        try:
+            return orig_propose_ids(self, *args, **kwargs)
+        finally:
+            cap.proposing = None
+
+    @functools.wraps(orig_propose)  # keeps dflash_context's installed mark
+    def propose(self, *args, **kwargs):
+        if cap.proposing is not None:
+            try:
+                call = signature.bind(self, *args, **kwargs).arguments
+                positions = call["target_positions"]
+                if positions.dim() == 1:  # not M-RoPE
+                    cap.on_context(cap.proposing, positions, call["common_attn_metadata"].query_start_loc_cpu,
+                                   call["target_hidden_states"])
+            except Exception as exc:
+                cap.error("propose", exc)
+        return orig_propose(self, *args, **kwargs)
+
+    GPUModelRunner.propose_draft_token_ids = propose_draft_token_ids
+    DFlashProposer.propose = propose
+    logger.info("online-opd capture keeps the target's features of %.3g of the teacher-carrying requests",
+                cap.settings.hidden_sample_rate)
 
 
 def install_from_env() -> Capture | None:

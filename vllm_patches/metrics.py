@@ -40,6 +40,10 @@ CAPTURE_COUNTERS = {
     "blocks": ("blocks_captured", "Verified draft blocks in captured records."),
     "teacher_blocks": ("teacher_blocks_captured", "Captured blocks carrying the verifier's top-k log-probabilities "
                                                   "(capture.teacher_top_k)."),
+    "hidden_records": ("hidden_records_captured", "Captured records carrying the target's aux hidden states "
+                                                  "(capture.hidden_sample_rate)."),
+    "hidden_over_limit": ("hidden_records_over_limit", "Requests that stopped keeping the target's aux hidden "
+                                                       "states at the per-request byte limit."),
     "errors": ("capture_errors", "Internal capture errors (counted, never raised into vLLM)."),
 }
 

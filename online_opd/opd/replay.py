@@ -73,6 +73,15 @@ is the same (sequence tokens never see appended ones). ``use_teacher=False``
 recomputes every block. The drafter side is unchanged. ``top_k_logprobs`` is
 the capture's own math on the verifier's logits (vllm_patches/capture.py).
 
+Captured features. A record may also carry the target's aux hidden states as the
+server computed them (``SequenceRecord.hidden``, positions ``start`` onward).
+Passed as ``hidden`` with every block captured, that forward shrinks to the
+positions before ``start`` (none when the capture saw the whole sequence): the
+target runs over ``start`` tokens instead of T, and the drafter reads the
+serving engine's own features (its dtype, cast to the target's). Rows of
+another width (a drafter reading other layers) or with a non-finite value are
+ignored: the forward runs over the whole sequence as before.
+
 ``replay_sequence_naive`` is the per-block reference (one target forward
 and one drafter forward per block, never the captured teacher) used by tests
 and the benchmark.
@@ -89,7 +98,7 @@ import torch
 import torch.nn.functional as F
 
 from online_opd.models.target_model import TargetModel
-from online_opd.traces.records import BlockRecord, TeacherTopK
+from online_opd.traces.records import BlockRecord, TargetHidden, TeacherTopK
 
 TAIL_MASS_FLOOR = 1e-6  # least mass a reconstructed teacher row leaves outside its top-k (teacher_logits)
 TEACHER_TAILS = ("uniform", "student")  # how a captured teacher's uncaptured mass is spread (replay_sequence)
@@ -320,12 +329,14 @@ def _captured_target(
     drafts: torch.Tensor,  # [M, W]
     num_drafted: torch.Tensor,  # [M] K_m
     layer_ids: tuple[int, ...],
+    hidden: TargetHidden | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, int, list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]]:
     """(target logits [M, W, vocab] float32 (or wider), zero in rows k > K_m and in the captured rows; aux
     hidden [T, F]; tokens the target ran over; the captured rows, one (where [R, 2] (block, slot), ids
     [R, k], logprobs [R, k]) per distinct k) when some blocks carry a captured teacher. The other blocks'
-    rows come from a packed forward over them only, which also gives the aux; with none left, a plain
-    causal forward over the sequence gives the aux alone. ``_fill_captured`` rebuilds the captured rows."""
+    rows come from a packed forward over them only, which also gives the aux; with none left, the aux come
+    from ``hidden`` and a plain causal forward over the positions before it (``sequence_aux``).
+    ``_fill_captured`` rebuilds the captured rows."""
     device, (num_blocks, width), num_tokens = tokens.device, drafts.shape, tokens.shape[0]
     recompute = [m for m, c in enumerate(captured) if not c]
     if recompute:
@@ -334,8 +345,8 @@ def _captured_target(
                                             num_drafted[idx])
         dtype = torch.promote_types(packed.dtype, torch.float32)
         num_tokens += sum(len(blocks[m].draft_tokens) - 1 for m in recompute)
-    else:  # an empty logits_at: no row goes through the vocabulary projection
-        aux = target.forward(tokens, layer_ids, logits_at=tokens.new_empty(0, dtype=torch.long)).aux_hidden
+    else:
+        aux, num_tokens = sequence_aux(target, tokens, layer_ids, hidden)
         dtype = torch.float32
     logits = torch.zeros(num_blocks, width, target.vocab_size, dtype=dtype, device=device)
     if recompute:
@@ -351,6 +362,35 @@ def _captured_target(
         lps = torch.tensor([t.logprobs[j] for t, j in teachers], dtype=torch.float32, device=device)  # [R, k]
         groups.append((torch.tensor(rows, dtype=torch.long, device=device), ids, lps))  # where: [R, 2]
     return logits, aux, num_tokens, groups
+
+
+def sequence_aux(target: TargetModel, tokens: torch.Tensor, layer_ids: tuple[int, ...],
+                 hidden: TargetHidden | None = None) -> tuple[torch.Tensor, int]:
+    """(aux hidden [T, F] at the sequence positions, tokens the target ran over): the captured rows from
+    ``hidden.start`` on where they reach position T - 1 and have the width F = layers x hidden size, a
+    plain causal forward (no vocabulary projection) over the positions before them; else over all T."""
+    num_tokens = tokens.shape[0]
+    start = _usable_start(hidden, num_tokens, len(layer_ids) * target.hidden_size)
+    if start is None:
+        start, rows = num_tokens, None
+    else:
+        try:
+            rows = hidden.to_tensor()[: num_tokens - start].to(device=tokens.device, dtype=target.dtype)
+        except ValueError:  # a non-finite value: recompute
+            start, rows = num_tokens, None
+    parts = []
+    if start > 0:  # an empty logits_at: no row goes through the vocabulary projection
+        parts.append(target.forward(tokens[:start], layer_ids,
+                                    logits_at=tokens.new_empty(0, dtype=torch.long)).aux_hidden)
+    if rows is not None:
+        parts.append(rows)
+    return (parts[0] if len(parts) == 1 else torch.cat(parts)), start
+
+
+def _usable_start(hidden: TargetHidden | None, num_tokens: int, width: int) -> int | None:
+    if hidden is None or hidden.width != width or hidden.start >= num_tokens or hidden.end < num_tokens:
+        return None
+    return hidden.start
 
 
 def _fill_captured(
@@ -372,11 +412,14 @@ def replay_sequence(
     blocks: Sequence[BlockRecord],
     use_teacher: bool = True,
     teacher_tail: str = "uniform",
+    hidden: TargetHidden | None = None,
 ) -> ReplayBatch:
     """Replay M recorded blocks of one sequence, each 1..K tokens long: the target's rows from the
     verifier's captured top-k where a block carries it (``use_teacher``; its tail shaped as
     ``teacher_tail`` says, "uniform" or "student": module docstring), from one packed target forward (no
-    grad) for the rest, and one packed drafter forward per distinct block length (with grad)."""
+    grad) for the rest, and one packed drafter forward per distinct block length (with grad). With every
+    block captured, the drafter's aux come from the record's captured features where ``hidden`` has
+    them (module docstring)."""
     if teacher_tail not in TEACHER_TAILS:
         raise ValueError(f"teacher_tail must be one of {TEACHER_TAILS}, got {teacher_tail!r}")
     anchors, drafts, num_accepted, num_drafted = _block_tensors(
@@ -386,7 +429,7 @@ def replay_sequence(
     groups: list = []
     if any(captured):
         target_logits, aux, num_target_tokens, groups = _captured_target(
-            target, tokens, blocks, captured, anchors, drafts, num_drafted, layer_ids)
+            target, tokens, blocks, captured, anchors, drafts, num_drafted, layer_ids, hidden)
     else:
         target_logits, aux = packed_target_forward(target, tokens, anchors, drafts, layer_ids, num_drafted)
         num_target_tokens = tokens.shape[0] + sum(len(b.draft_tokens) - 1 for b in blocks)

@@ -83,8 +83,14 @@ SEGMENT_SCHEMA = pa.schema([
     ("events", pa.string()),  # JSON list: events are free-form dicts
     ("captured_at", pa.float64()),
     ("replica", pa.string()),  # absent in older segments: read as "" (unknown)
+    # SequenceRecord.hidden (TargetHidden): null when not captured; absent in older segments (null)
+    ("hidden_start", pa.int32()),
+    ("hidden_width", pa.int32()),
+    ("hidden_dtype", pa.string()),
+    ("hidden_data", pa.large_binary()),
 ])
-_OPTIONAL_COLUMNS = frozenset({"replica"})
+_HIDDEN_COLUMNS = ("hidden_start", "hidden_width", "hidden_dtype", "hidden_data")
+_OPTIONAL_COLUMNS = frozenset({"replica", *_HIDDEN_COLUMNS})
 
 _SEGMENT_RE = re.compile(r"^seg-(\d{13})-([A-Za-z0-9_]{1,32})-(\d{6})-([0-9a-f]{32})\.parquet$")
 _STALE_TMP_S = 3600.0  # a .tmp this old belongs to a writer that died mid-write
@@ -151,6 +157,8 @@ def encode_segment(records: Iterable[SequenceRecord]) -> bytes:
         "events": [json.dumps([dict(e) for e in r.events]) for r in records],
         "captured_at": [r.captured_at for r in records],
         "replica": [r.replica for r in records],
+        **{f"hidden_{name}": [None if r.hidden is None else getattr(r.hidden, name) for r in records]
+           for name in ("start", "width", "dtype", "data")},
     }
     table = pa.Table.from_pydict(columns, schema=SEGMENT_SCHEMA)
     sink = io.BytesIO()
@@ -167,6 +175,9 @@ def decode_segment(data: bytes) -> list[SequenceRecord]:
     records = []
     for row in table.to_pylist():
         row["events"] = json.loads(row["events"])
+        hidden = {name.removeprefix("hidden_"): row.pop(name, None) for name in _HIDDEN_COLUMNS}
+        if hidden["data"] is not None:
+            row["hidden"] = hidden  # SequenceRecord.from_dict validates it
         if isinstance(row.get("blocks"), list):
             row["blocks"] = [_block_dict(b) if isinstance(b, dict) else b for b in row["blocks"]]
         records.append(SequenceRecord.from_dict(row))  # validates every field

@@ -54,12 +54,21 @@ p_{m,k}; replay then needs no target forward over the drafted positions
 (online_opd/opd/replay.py). None (records written before the field existed, or a
 request not sampled for it): replay recomputes p.
 
+The target's features. A record may also carry ``SequenceRecord.hidden``
+(``TargetHidden``): the auxiliary hidden states the target computed while serving
+it, the rows a DFlash drafter reads as its context, for the sequence positions
+``start`` .. T - 2 (T = len(tokens); the last token is never fed to the target;
+positions below ``start`` came from the prefix cache or fell in a step whose rows
+were not kept). With them and every replayed block's teacher, replay runs no
+target forward past ``start`` (online_opd/opd/replay.py).
+
 What lives elsewhere: capture (vllm_patches/), storage (online_opd/traces/buffer),
 replay of records into training tensors (online_opd/opd/replay.py).
 """
 
 from __future__ import annotations
 
+import base64
 import math
 from dataclasses import dataclass
 from typing import Any
@@ -123,6 +132,86 @@ class TeacherTopK:
         ``tolist()``), validated as ``from_dict``. A float32 tensor's values are exact Python floats, so they
         round-trip unchanged through JSON and the buffer's float32 column."""
         return cls.from_dict({"token_ids": token_ids.tolist(), "logprobs": logprobs.tolist()}, where)
+
+
+HIDDEN_DTYPES = {"bfloat16": 2, "float16": 2, "float32": 4}  # TargetHidden.dtype -> bytes per value
+
+
+@dataclass(frozen=True)
+class TargetHidden:
+    """The target's auxiliary hidden states at sequence positions ``start`` .. ``start`` + n - 1, as the
+    serving engine computed them (vLLM's ``target_hidden_states``: the drafter's target layers
+    concatenated, ``width`` = layers x hidden size), row-major raw values of ``dtype`` (the serving
+    dtype; bfloat16 on this CPU). The capture keeps finite rows only; ``to_tensor`` checks again."""
+
+    start: int  # first sequence position with a row
+    width: int  # values per row
+    dtype: str  # one of HIDDEN_DTYPES
+    data: bytes  # n x width values
+
+    def __post_init__(self) -> None:
+        if isinstance(self.start, bool) or not isinstance(self.start, int) or self.start < 0:
+            raise ValueError(f"hidden.start must be an int >= 0, got {self.start!r}")
+        if isinstance(self.width, bool) or not isinstance(self.width, int) or self.width < 1:
+            raise ValueError(f"hidden.width must be an int >= 1, got {self.width!r}")
+        if self.dtype not in HIDDEN_DTYPES:
+            raise ValueError(f"hidden.dtype must be one of {sorted(HIDDEN_DTYPES)}, got {self.dtype!r}")
+        if not isinstance(self.data, bytes):
+            raise ValueError(f"hidden.data must be bytes, got {type(self.data).__name__}")
+        row = self.width * HIDDEN_DTYPES[self.dtype]
+        if not self.data or len(self.data) % row:
+            raise ValueError(f"hidden.data holds {len(self.data)} bytes: not a positive whole number of "
+                             f"{self.width}-value {self.dtype} rows ({row} bytes each)")
+
+    @property
+    def num_rows(self) -> int:
+        return len(self.data) // (self.width * HIDDEN_DTYPES[self.dtype])
+
+    @property
+    def end(self) -> int:
+        """One past the last position with a row."""
+        return self.start + self.num_rows
+
+    def to_tensor(self):
+        """[num_rows, width] torch tensor of ``dtype`` (a copy); ValueError on a non-finite value."""
+        import torch
+
+        rows = torch.frombuffer(bytearray(self.data), dtype=getattr(torch, self.dtype)).view(-1, self.width)
+        if not bool(rows.isfinite().all()):
+            raise ValueError("hidden: non-finite values")
+        return rows
+
+    @classmethod
+    def from_tensor(cls, start: int, rows) -> "TargetHidden":
+        """From a [n, width] torch tensor of a ``HIDDEN_DTYPES`` dtype (copied to the host)."""
+        import torch
+
+        dtype = str(rows.dtype).removeprefix("torch.")
+        if rows.dim() != 2 or dtype not in HIDDEN_DTYPES:
+            raise ValueError(f"hidden rows must be 2-D of {sorted(HIDDEN_DTYPES)}, got {tuple(rows.shape)} {dtype}")
+        host = rows.detach().to("cpu").contiguous()
+        raw = host.view(-1).view(torch.uint8).numpy().tobytes()
+        return cls(int(start), int(rows.shape[1]), dtype, raw)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"start": self.start, "width": self.width, "dtype": self.dtype,
+                "data": base64.b64encode(self.data).decode("ascii")}
+
+    @classmethod
+    def from_dict(cls, data: Any, where: str = "record.hidden") -> "TargetHidden":
+        """Parse ``to_dict``'s dict (``data`` base64, or raw bytes as the buffer stores it)."""
+        data = _require_dict(data, where)
+        raw = _field(data, "data", where)
+        if isinstance(raw, str):
+            try:
+                raw = base64.b64decode(raw, validate=True)
+            except ValueError as exc:
+                raise ValueError(f"{where}.data is not base64: {exc}") from None
+        try:
+            return cls(_int_field(data, "start", where), _int_field(data, "width", where),
+                       _field(data, "dtype", where), raw)
+        except ValueError as exc:
+            raise ValueError(f"{where}: {exc}") from None
 
 
 @dataclass(frozen=True)
@@ -235,6 +324,14 @@ class SequenceRecord:
     events: tuple[dict, ...] = ()  # chain breaks, see the module docstring
     captured_at: float = 0.0  # unix seconds when the request finished (0 = unknown)
     replica: str = ""  # the serving replica that captured it (host_pid of its server; "" = unknown, older records)
+    # the target's aux hidden states at positions hidden.start .. len(tokens) - 2 (TargetHidden); None = not
+    # captured: replay recomputes them with a target forward
+    hidden: TargetHidden | None = None
+
+    def __post_init__(self) -> None:
+        if self.hidden is not None and self.hidden.end > len(self.tokens) - 1:
+            raise ValueError(f"hidden rows reach position {self.hidden.end - 1}; a record of {len(self.tokens)} "
+                             f"tokens has features up to position {len(self.tokens) - 2}")
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -250,6 +347,7 @@ class SequenceRecord:
             "events": [dict(e) for e in self.events],
             "captured_at": self.captured_at,
             "replica": self.replica,
+            **({"hidden": self.hidden.to_dict()} if self.hidden is not None else {}),
         }
 
     @classmethod
@@ -272,6 +370,7 @@ class SequenceRecord:
             events=_events(data.get("events", ())),
             captured_at=_optional_float(data, "captured_at"),
             replica=_optional_str(data, "replica"),
+            hidden=None if data.get("hidden") is None else TargetHidden.from_dict(data["hidden"]),
         )
 
 

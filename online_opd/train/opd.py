@@ -125,7 +125,8 @@ def replay_records(target, drafter, records: list[SequenceRecord], objective: Ca
     it has). Data-parallel (train/distributed.py): ``records`` is the global batch, the same on every
     rank; each rank draws the blocks of all of them (so the generator stays in step) and replays its
     own slice. ``use_teacher``: blocks that carry the verifier's captured top-k (BlockRecord.teacher) take
-    their target rows from it (replay.py); False recomputes every block."""
+    their target rows from it, and a record's captured features (SequenceRecord.hidden) replace the
+    target forward where every block does (replay.py); False recomputes every block."""
     if pooling not in POOLINGS:
         raise ValueError(f"pooling must be one of {POOLINGS}, got {pooling!r}")
     chosen = [choose_blocks(record, anchors_per_sequence, generator) for record in records]
@@ -134,7 +135,8 @@ def replay_records(target, drafter, records: list[SequenceRecord], objective: Ca
     for record, blocks in zip(records[lo:hi], chosen[lo:hi]):
         end = max(b.anchor for b in blocks) + 1  # later tokens are never read
         tokens = torch.tensor(record.tokens[:end], dtype=torch.int64, device=device)
-        batch = replay_sequence(target, drafter, tokens, blocks, use_teacher=use_teacher)
+        batch = replay_sequence(target, drafter, tokens, blocks, use_teacher=use_teacher,
+                                hidden=record.hidden if use_teacher else None)
         outs.append(objective(batch.target_logits, batch.draft_logits, batch.num_accepted, batch.num_drafted))
         num_tokens.append(end + sum(len(b.draft_tokens) - 1 for b in blocks))
     if pooling == "sequence":

@@ -1,6 +1,8 @@
-"""Serve the embedded target with vLLM's CPU engine (prompt-lookup speculation, float32) with the
-capture's teacher signal on, then check every captured block's top-k log-probabilities against an
-independent Hugging Face forward of the target over the block's drafted prefix.
+"""Serve the embedded target with vLLM's CPU engine (a DFlash drafter, K = 4, float32) with the
+capture's teacher signal and target features on, then check every captured block's top-k
+log-probabilities against an independent Hugging Face forward of the target over the block's drafted
+prefix, and every record's captured features against the target's aux hidden states on the record's
+tokens.
 
 Usage: python teacher_capture_check.py TARGET_DIR OUT_DIR  (writes OUT_DIR/result.json)
 
@@ -9,7 +11,9 @@ the capture configured through ``ONLINE_OPD_CAPTURE``, as ``online-opd serve`` c
 Requests run at temperature 0 and 0.8: the captured rows are the raw (T = 1) distribution either
 way, read before the rejection sampler scales them. For each block at anchor a with drafts
 d_1..d_n: HF logits at rows a..a+n of x_<=a + d_1..d_n (n drafted positions and the bonus
-position), log_softmax in float32, compared id by id with the captured top-k.
+position), log_softmax in float32, compared id by id with the captured top-k. The drafter is
+vllm_parity_check's (a few Adam steps on the target's continuation of one prompt), so some drafts are
+accepted and others rejected: a rejected draft's feature row must be replaced by its position's final one.
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ from pathlib import Path
 
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+sys.path.insert(0, str(Path(__file__).parent))
 
 TOP_K = 8
 MAX_TOKENS = 64
@@ -46,18 +51,28 @@ def main(target: str, out_dir: str) -> None:
     os.environ["VLLM_PLUGINS"] = ",".join(PLUGIN_NAMES)
     os.environ.update(v1_runner_env(os.environ))
     os.environ[CAPTURE_ENV] = CaptureSettings(buffer_dir=str(out / "buffer"), teacher_top_k=TOP_K,
-                                              flush_interval_s=0.2, seed=0).to_env()
+                                              hidden_sample_rate=1.0, flush_interval_s=0.2, seed=0).to_env()
 
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
+    from vllm_parity_check import PROMPT, K, build_drafter, overfit
 
+    from online_opd.models.drafters.checkpoint import save_drafter
+    from online_opd.models.target_model import TargetModel
     from online_opd.traces.buffer import BufferReader
-    from serve.engine import chat_prompt_ids, generate, make_llm, ngram_speculative_config, shutdown
+    from serve.engine import chat_prompt_ids, generate, make_llm, shutdown
     from vllm_patches import capture
 
     tokenizer = AutoTokenizer.from_pretrained(target)
-    prompts = chat_prompt_ids(tokenizer, [[{"role": "user", "content": p}] for p in PROMPTS])
-    llm = make_llm(target, dtype="float32", max_model_len=512, speculative_config=ngram_speculative_config(4))
+    prompts = chat_prompt_ids(tokenizer, [[{"role": "user", "content": p}] for p in PROMPTS] + [PROMPT])
+    target_model = TargetModel.from_pretrained(target)
+    drafter = build_drafter("dflash", target, target_model)
+    drafter.attach_target(target_model.embed_weight, target_model.lm_head_weight)
+    overfit(drafter, target_model, prompts[-1])
+    ckpt = save_drafter(drafter, out / "drafter")
+    layer_ids = tuple(drafter.target_layer_ids)
+    llm = make_llm(target, dtype="float32", max_model_len=512, drafter=ckpt, num_speculative_tokens=K,
+                   method="dflash")
     temperatures = {}
     for temperature in (0.0, 0.8):
         for g in generate(llm, prompts, max_tokens=MAX_TOKENS, temperature=temperature, seed=1, progress=False):
@@ -71,7 +86,26 @@ def main(target: str, out_dir: str) -> None:
     records = list(BufferReader(out / "buffer").iter_records())
     model = AutoModelForCausalLM.from_pretrained(target, torch_dtype=torch.float32).eval()
     per_temperature: dict[str, dict] = {}
+    hidden = {"records": 0, "with_hidden": 0, "start_zero": 0, "rows": 0, "max_abs_diff": 0.0,
+              "max_rel_diff": 0.0}
     for record in records:
+        hidden["records"] += 1
+        if record.hidden is not None:
+            hidden["with_hidden"] += 1
+            hidden["start_zero"] += int(record.hidden.start == 0)
+            seq = torch.tensor(record.tokens)
+            with torch.no_grad():
+                aux = target_model.forward(seq, layer_ids, logits_at=seq.new_empty(0)).aux_hidden.float()
+            rows = record.hidden.to_tensor().float()
+            reference = aux[record.hidden.start:len(seq) - 1]
+            if rows.shape != reference.shape:
+                raise AssertionError(f"hidden rows {tuple(rows.shape)} for positions "
+                                     f"{record.hidden.start}..{len(seq) - 2} of width {aux.shape[1]}")
+            hidden["rows"] += rows.shape[0]
+            diff = (rows - reference).abs()
+            hidden["max_abs_diff"] = max(hidden["max_abs_diff"], float(diff.max()))
+            hidden["max_rel_diff"] = max(hidden["max_rel_diff"],
+                                         float((diff / reference.abs().clamp(min=1.0)).max()))
         figures = per_temperature.setdefault(str(record.temperature), {
             "records": 0, "blocks": 0, "teacher_blocks": 0, "rows": 0, "max_abs_diff": 0.0,
             "id_mismatches": 0, "near_tie_mismatches": 0, "partial_blocks": 0})
@@ -100,7 +134,7 @@ def main(target: str, out_dir: str) -> None:
                     # order differs: only allowed between values HF itself finds within 1e-4
                     gap = float((top.values[j] - reference[j]).abs().max())
                     figures["near_tie_mismatches" if gap <= 1e-4 else "id_mismatches"] += 1
-    result = {"capture": stats, "per_temperature": per_temperature, "num_records": len(records),
+    result = {"capture": stats, "per_temperature": per_temperature, "hidden": hidden, "num_records": len(records),
               "num_requests": len(temperatures), "top_k": TOP_K}
     (out / "result.json").write_text(json.dumps(result, indent=2))
     print(json.dumps(result, indent=2))
