@@ -28,6 +28,11 @@ each server's buffer is read after it stops for its bytes per captured block.
 
     python benchmarks/capture_overhead.py --teacher-top-k 20 --out runs/bench/teacher_overhead.json
 
+``--hidden-sample-rate F`` adds the target's features to the teacher server
+(``capture.hidden_sample_rate``: that share of its teacher-carrying requests
+keeps the aux hidden states); the buffer figures then count the records with
+them and their bytes.
+
 One JSON object on stdout (also written to --out); logs on stderr.
 """
 
@@ -101,11 +106,16 @@ def buffer_figures(buffer: Path) -> dict[str, Any]:
 
     reader = BufferReader(buffer)
     segments = reader.segments() if reader.exists() else []
-    blocks = [b for info in segments for record in reader.read_segment(info) for b in record.blocks]
+    records = [record for info in segments for record in reader.read_segment(info)]
+    blocks = [b for record in records for b in record.blocks]
     size = sum(info.bytes for info in segments)
+    hidden = [r.hidden for r in records if r.hidden is not None]
     return {"segment_bytes": size, "blocks": len(blocks),
             "teacher_blocks": sum(b.teacher is not None for b in blocks),
-            "bytes_per_block": round(size / len(blocks), 1) if blocks else None}
+            "bytes_per_block": round(size / len(blocks), 1) if blocks else None,
+            "records": len(records), "hidden_records": len(hidden),
+            "hidden_rows": sum(h.num_rows for h in hidden), "hidden_raw_bytes": sum(len(h.data) for h in hidden),
+            "hidden_positions_from_start": sum(h.start == 0 for h in hidden)}
 
 
 def run_server(mode: str, run_dir: Path, args: argparse.Namespace) -> dict[str, Any]:
@@ -115,7 +125,8 @@ def run_server(mode: str, run_dir: Path, args: argparse.Namespace) -> dict[str, 
         extra.append("--no-capture")
     if mode == "teacher":
         extra += ["-o", f"capture.teacher_top_k={args.teacher_top_k}",
-                  "-o", f"capture.teacher_sample_rate={args.teacher_sample_rate}"]
+                  "-o", f"capture.teacher_sample_rate={args.teacher_sample_rate}",
+                  "-o", f"capture.hidden_sample_rate={args.hidden_sample_rate}"]
     server = ServerProcess(run_dir, args.config, *extra, token=TOKEN)
     start = time.perf_counter()
     try:
@@ -152,6 +163,8 @@ def main() -> None:
                              "without it (mode 'on'); default 0: capture on against off")
     parser.add_argument("--teacher-sample-rate", type=float, default=1.0,
                         help="capture.teacher_sample_rate of the 'teacher' server (default 1: every request)")
+    parser.add_argument("--hidden-sample-rate", type=float, default=0.0,
+                        help="capture.hidden_sample_rate of the 'teacher' server (default 0: no target features)")
     parser.add_argument("--serve-args", default="",
                         help="more `online-opd serve` arguments for every server, as shell words "
                              "(e.g. '--speculation always': drafts at every batch size)")
@@ -194,6 +207,7 @@ def main() -> None:
         "benchmark": "capture_overhead" + ("_teacher" if args.teacher_top_k > 0 else ""),
         "drafter": str(args.drafter), "config": str(args.config), "rounds": args.rounds,
         "teacher_top_k": args.teacher_top_k, "teacher_sample_rate": args.teacher_sample_rate,
+        "hidden_sample_rate": args.hidden_sample_rate,
         "serve_args": args.serve_args,
         "max_tokens": args.max_tokens, "requests": {"1": args.requests_c1, "16": args.requests_c16},
         "warmup": args.warmup, "prompts": "sharegpt held_out, temperature 0, ignore_eos",
@@ -202,7 +216,8 @@ def main() -> None:
         "target_met": all(v["target_met"] for v in per_concurrency.values()),
         "requests_failed": failed,
         "capture": {m: {key: [r["capture"][m][key] for r in rounds] for key in (
-            "records_captured", "records_dropped", "requests_sent", "blocks", "teacher_blocks", "bytes_per_block")}
+            "records_captured", "records_dropped", "requests_sent", "blocks", "teacher_blocks", "bytes_per_block",
+            "records", "hidden_records", "hidden_rows", "hidden_raw_bytes", "hidden_positions_from_start")}
             for m in captured},
         "rounds_detail": rounds,
         "note": "each mode runs in its own server process; shared 2-core machine, expect noise of a few %",

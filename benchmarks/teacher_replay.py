@@ -24,6 +24,13 @@ same blocks are replayed in both modes:
     python benchmarks/teacher_replay.py --buffer runs/bench/teacher-overhead/round0-teacher/buffer \\
         --drafter runs/bootstrap/drafter --out benchmarks/results/teacher_replay.json
 
+``--features``: records that also carry the target's features (``capture.hidden_sample_rate``, e.g.
+``capture_overhead.py --teacher-top-k 32 --hidden-sample-rate 1``) only, and a third throughput mode,
+"features" (the captured teacher and the record's features: the target runs only over the positions
+before them, none when the server saw the whole sequence). Its fidelity: the served features (the
+server's dtype) against the trainer's float32 aux (per value, |diff| / max(|value|, 1)), and per record
+the step's loss and gradient with them against the same step on the trainer's own aux.
+
 One JSON object on stdout (also written to --out); logs on stderr.
 """
 
@@ -63,12 +70,13 @@ def cut(teacher: TeacherTopK, k: int) -> TeacherTopK:
     return TeacherTopK(tuple(row[:k] for row in teacher.token_ids), tuple(row[:k] for row in teacher.logprobs))
 
 
-def select(reader: BufferReader, block_size: int, count: int) -> list:
-    """The first `count` records whose replayable blocks all carry a teacher, those blocks kept."""
+def select(reader: BufferReader, block_size: int, count: int, features: bool = False) -> list:
+    """The first `count` records whose replayable blocks all carry a teacher (and, with `features`, that
+    carry the target's features), those blocks kept."""
     out = []
     for record in reader.iter_records():
         blocks = replayable_blocks(record, block_size)
-        if blocks and all(b.teacher is not None for b in blocks):
+        if blocks and all(b.teacher is not None for b in blocks) and (record.hidden is not None or not features):
             out.append(dataclasses.replace(record, blocks=blocks))
             if len(out) == count:
                 break
@@ -76,14 +84,20 @@ def select(reader: BufferReader, block_size: int, count: int) -> list:
 
 
 def step(target, drafter, objective, tokens, blocks, use_teacher: bool,
-         tail: str = "student") -> tuple[float, torch.Tensor]:
+         tail: str = "student", hidden=None) -> tuple[float, torch.Tensor]:
     """One record's training-step forward and backward: (the objective's value, its gradient, flat)."""
     drafter.zero_grad(set_to_none=True)
-    batch = replay_sequence(target, drafter, tokens, blocks, use_teacher=use_teacher, teacher_tail=tail)
+    batch = replay_sequence(target, drafter, tokens, blocks, use_teacher=use_teacher, teacher_tail=tail,
+                            hidden=hidden)
     loss = objective(batch.target_logits, batch.draft_logits, batch.num_accepted, batch.num_drafted).loss
     loss.backward()
     grad = torch.cat([p.grad.flatten() for p in drafter.parameters() if p.grad is not None])
     return float(loss.detach()), grad
+
+
+def cosine(a: torch.Tensor, b: torch.Tensor) -> float:
+    """Cosine similarity in float64 (float32's can exceed 1 for near-parallel vectors this long)."""
+    return float(torch.nn.functional.cosine_similarity(a.double(), b.double(), dim=0))
 
 
 def summary(values: list[float]) -> dict:
@@ -101,6 +115,8 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=2, help="timed passes per mode (alternating)")
     parser.add_argument("--top-k", type=int, nargs="+", default=[1, 4, 8, 16, 32],
                         help="cuts of the captured rows to measure (at most the captured k)")
+    parser.add_argument("--features", action="store_true",
+                        help="records with the target's features only, and the 'features' mode (docstring)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
@@ -109,28 +125,32 @@ def main() -> None:
     torch.manual_seed(args.seed)
     drafter, target = load_serving_drafter(args.drafter, resolve_target(cfg))
     block_size, objective = drafter.cfg.block_size, objective_fn(cfg.trainer)
-    records = select(BufferReader(args.buffer), block_size, args.records)
+    records = select(BufferReader(args.buffer), block_size, args.records, args.features)
     if not records:
         raise SystemExit(f"{args.buffer}: no record whose replayable blocks carry a teacher "
-                         "(capture with -o capture.teacher_top_k=N)")
+                         "(capture with -o capture.teacher_top_k=N" +
+                         (" -o capture.hidden_sample_rate=F)" if args.features else ")"))
     generator = torch.Generator().manual_seed(args.seed)
     work = []  # (tokens, blocks, trained tokens) per record, the blocks drawn as a step draws them
     for record in records:
         blocks = choose_blocks(record, cfg.trainer.anchors_per_sequence, generator)
         end = max(b.anchor for b in blocks) + 1
         work.append((torch.tensor(record.tokens[:end]), blocks, end + sum(len(b.draft_tokens) - 1 for b in blocks)))
+    hidden = [record.hidden for record in records]
     captured_k = min(b.teacher.top_k for _, blocks, _ in work for b in blocks)
     cuts = sorted({k for k in args.top_k if k <= captured_k})
     logger.info("%d records, %d blocks, captured k=%d", len(work), sum(len(b) for _, b, _ in work), captured_k)
 
     # throughput: the same records and blocks in both modes, alternating
-    timing = {mode: {"wall_s": 0.0, "cpu_s": 0.0} for mode in ("recompute", "captured")}
+    modes = ("recompute", "captured", "features") if args.features else ("recompute", "captured")
+    timing = {mode: {"wall_s": 0.0, "cpu_s": 0.0} for mode in modes}
     step(target, drafter, objective, *work[0][:2], use_teacher=False)  # warm-up
     for r in range(args.repeats):
-        for mode in (("recompute", "captured") if r % 2 == 0 else ("captured", "recompute")):
+        for mode in (modes if r % 2 == 0 else modes[::-1]):
             wall, cpu = time.perf_counter(), time.process_time()
-            for tokens, blocks, _ in work:
-                step(target, drafter, objective, tokens, blocks, use_teacher=mode == "captured")
+            for (tokens, blocks, _), h in zip(work, hidden):
+                step(target, drafter, objective, tokens, blocks, use_teacher=mode != "recompute",
+                     tail="uniform", hidden=h if mode == "features" else None)
             timing[mode]["wall_s"] += time.perf_counter() - wall
             timing[mode]["cpu_s"] += time.process_time() - cpu
     trained = sum(n for _, _, n in work) * args.repeats
@@ -148,7 +168,22 @@ def main() -> None:
         for key, values in figures.items():
             rows.setdefault(name, {}).setdefault(key, []).extend(values.tolist())
 
-    for tokens, blocks, _ in work:
+    features: dict[str, list[float]] = {"value_rel_diff_mean": [], "value_rel_diff_max": [], "loss_rel_diff": [],
+                                        "grad_cosine": [], "grad_rel_norm": []}
+    for (tokens, blocks, _), h in zip(work, hidden):
+        if args.features:
+            with torch.no_grad():
+                aux = target.forward(tokens, tuple(drafter.target_layer_ids),
+                                     logits_at=tokens.new_empty(0)).aux_hidden.float()[h.start:]
+            served = h.to_tensor().float()[: aux.shape[0]]
+            rel = (served - aux).abs() / aux.abs().clamp(min=1.0)
+            features["value_rel_diff_mean"].append(float(rel.mean()))
+            features["value_rel_diff_max"].append(float(rel.max()))
+            own_loss, own_grad = step(target, drafter, objective, tokens, blocks, True, tail="uniform")
+            loss, grad = step(target, drafter, objective, tokens, blocks, True, tail="uniform", hidden=h)
+            features["loss_rel_diff"].append(abs(loss - own_loss) / max(abs(own_loss), 1e-12))
+            features["grad_cosine"].append(cosine(grad, own_grad))
+            features["grad_rel_norm"].append(float(grad.norm() / own_grad.norm()))
         with torch.no_grad():
             full = replay_sequence(target, drafter, tokens, blocks, use_teacher=False).target_logits
         for m, block in enumerate(blocks):
@@ -164,7 +199,7 @@ def main() -> None:
                 g = grads.setdefault(f"captured_k{k}_{tail}_tail",
                                      {"loss_rel_diff": [], "grad_cosine": [], "grad_rel_norm": []})
                 g["loss_rel_diff"].append(abs(loss - reference_loss) / max(abs(reference_loss), 1e-12))
-                g["grad_cosine"].append(float(torch.nn.functional.cosine_similarity(grad, reference_grad, dim=0)))
+                g["grad_cosine"].append(cosine(grad, reference_grad))
                 g["grad_rel_norm"].append(float(grad.norm() / reference_grad.norm()))
 
     result = {
@@ -176,6 +211,11 @@ def main() -> None:
         "throughput": timing,
         "speedup_wall": round(timing["recompute"]["wall_s"] / timing["captured"]["wall_s"], 3),
         "speedup_cpu": round(timing["recompute"]["cpu_s"] / timing["captured"]["cpu_s"], 3),
+        **({"features_speedup_wall": round(timing["recompute"]["wall_s"] / timing["features"]["wall_s"], 3),
+            "features_speedup_cpu": round(timing["recompute"]["cpu_s"] / timing["features"]["cpu_s"], 3),
+            "features_start_zero": sum(h.start == 0 for h in hidden),
+            "features_vs_trainer_aux": {key: {s: round(v, 6) for s, v in summary(values).items()}
+                                        for key, values in features.items()}} if args.features else {}),
         "rows": {name: {key: {s: round(v, 6) for s, v in summary(values).items()} for key, values in figs.items()}
                  for name, figs in rows.items()},
         "objective_vs_recomputed": {name: {key: {s: round(v, 6) for s, v in summary(values).items()}

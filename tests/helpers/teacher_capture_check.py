@@ -28,7 +28,7 @@ os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 sys.path.insert(0, str(Path(__file__).parent))
 
 TOP_K = 8
-MAX_TOKENS = 64
+MAX_TOKENS = 48
 # Prompt lookup drafts where the context repeats: prompts that make the answer copy their text.
 PROMPTS = [
     "Repeat this list exactly three times, separated by commas: red apple, green pear, yellow banana, "
@@ -64,11 +64,11 @@ def main(target: str, out_dir: str) -> None:
     from vllm_patches import capture
 
     tokenizer = AutoTokenizer.from_pretrained(target)
-    prompts = chat_prompt_ids(tokenizer, [[{"role": "user", "content": p}] for p in PROMPTS] + [PROMPT])
+    prompts = chat_prompt_ids(tokenizer, [[{"role": "user", "content": p}] for p in PROMPTS])
     target_model = TargetModel.from_pretrained(target)
     drafter = build_drafter("dflash", target, target_model)
     drafter.attach_target(target_model.embed_weight, target_model.lm_head_weight)
-    overfit(drafter, target_model, prompts[-1])
+    overfit(drafter, target_model, chat_prompt_ids(tokenizer, [PROMPT])[0])
     ckpt = save_drafter(drafter, out / "drafter")
     layer_ids = tuple(drafter.target_layer_ids)
     llm = make_llm(target, dtype="float32", max_model_len=512, drafter=ckpt, num_speculative_tokens=K,
