@@ -249,6 +249,33 @@ def test_writer_flushes_by_count_and_by_interval(tmp_path):
     assert [len(BufferReader(tmp_path).read_segment(s)) for s in BufferReader(tmp_path).segments()] == [2, 1]
 
 
+def test_writer_flush_writes_what_it_holds_now_and_stays_open(tmp_path):
+    writer = BufferWriter(tmp_path, writer_id="w", flush_records=1000, flush_interval_s=3600)
+    try:
+        assert writer.flush(timeout=5)  # nothing held: done
+        for i in range(3):
+            writer.submit(make_record(i))
+        assert writer.flush(timeout=5)  # neither the count nor the interval would have written them
+        assert [r.record_id for r in BufferReader(tmp_path).iter_records()] == ["req-0", "req-1", "req-2"]
+        assert writer.submit(make_record(3)) and writer.flush(timeout=5)  # still open
+        assert writer.stats()["written_segments"] == 2
+    finally:
+        writer.close(timeout=5)
+    assert writer.flush(timeout=1)  # closed with nothing queued
+
+
+def test_writer_flush_reports_records_it_could_not_write(tmp_path):
+    writer = BufferWriter(tmp_path / "buffer", writer_id="w", flush_records=1000, flush_interval_s=3600)
+    (tmp_path / "buffer").rmdir()
+    (tmp_path / "buffer").write_text("not a folder")  # every write fails: the records are held for retry
+    try:
+        writer.submit(make_record(0))
+        assert not writer.flush(timeout=5)
+        assert writer.stats()["write_errors"] >= 1
+    finally:
+        writer.close(timeout=5)
+
+
 @pytest.mark.parametrize("interval_s, segments_left", [(0.0, 0), (3600.0, 2)])
 def test_retention_runs_at_most_every_retention_interval(tmp_path, interval_s, segments_left):
     """A byte bound smaller than one segment: retention after every write deletes each segment; with

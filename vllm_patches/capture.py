@@ -386,6 +386,10 @@ class Capture:
         if self._writer is not None:
             self._writer.close(timeout)
 
+    def flush(self, timeout: float = 10.0) -> bool:
+        """Write the records finished so far now (before a shutdown); True when they are written."""
+        return self._writer.flush(timeout) if self._writer is not None else True
+
     def error(self, where: str, exc: BaseException) -> None:
         """Count an internal error; log its first occurrence per place (never raise into vLLM)."""
         self.counters["errors"] += 1
@@ -579,11 +583,36 @@ def install(settings: CaptureSettings) -> Capture:
     GPUModelRunner._update_states = _update_states
     GPUModelRunner._sample = _sample
     GPUModelRunner.sample_tokens = sample_tokens
+    _close_on_worker_shutdown(cap)
     if settings.hidden_sample_rate > 0:
         _install_hidden(cap, _enabled)
     logger.info("online-opd capture installed: buffer %s, sample rate %.3g",
                 settings.buffer_dir, settings.sample_rate)
     return cap
+
+
+SHUTDOWN_CLOSE_S = 5.0  # most seconds a stopping worker waits for its writer to write the records it holds
+
+
+def _close_on_worker_shutdown(cap: Capture) -> None:
+    """Write the held records when the worker process stops. A SIGTERM to the server's process group
+    reaches the workers directly: vLLM's worker loop exits and calls ``WorkerWrapperBase.shutdown``, then
+    the process ends with ``os._exit`` (multiprocessing), which runs no atexit hook and kills the writer
+    thread with up to ``flush_interval_s`` of records. (A SIGTERM to the API server alone: vLLM kills
+    the engine core and the workers outright, so the API server asks them to write first, endpoint.py
+    ``_flush_before_shutdown``.)"""
+    from vllm.v1.worker.worker_base import WorkerWrapperBase
+
+    orig_shutdown = WorkerWrapperBase.shutdown
+
+    def shutdown(self) -> None:
+        try:
+            cap.close(SHUTDOWN_CLOSE_S)
+        except Exception as exc:
+            cap.error("shutdown", exc)
+        return orig_shutdown(self)
+
+    WorkerWrapperBase.shutdown = shutdown
 
 
 def _install_hidden(cap: Capture, enabled: Any) -> None:

@@ -162,6 +162,9 @@ def api_server_rank(engine_client: Any) -> tuple[int, int]:
     return int(getattr(core, "client_index", 0)), int(getattr(core, "client_count", 1))
 
 
+SHUTDOWN_FLUSH_S = 10.0  # most seconds the engine's shutdown waits for the workers to write their records
+
+
 class EndpointSettings(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
@@ -241,11 +244,47 @@ class OnlineOPDService(RegistryFollower):
             for collector in collectors:
                 self._prom.register(collector)
         loop = asyncio.get_running_loop()
+        self._flush_before_shutdown(loop)
         self._tasks.append(loop.create_task(self._poll_forever()))
         if self.settings.auto_reload and self.settings.registry_dir:
             self._tasks.append(loop.create_task(self._reload_forever()))
         if self.speculation is not None:
             self._tasks.append(loop.create_task(self.speculation.run_forever()))
+
+    def _flush_before_shutdown(self, loop: asyncio.AbstractEventLoop) -> None:
+        """On SIGTERM / SIGINT to this process alone vLLM's API server stops the engine client from a
+        thread, which kills the engine core and the worker processes outright: the records their buffer
+        writers held (up to ``capture.flush_interval_s`` of them) were lost. So the engine client's
+        ``shutdown`` first asks every worker to write them (``online_opd_flush_capture``, at most
+        ``SHUTDOWN_FLUSH_S``), then stops the engine as before. Requests still running are aborted by
+        vLLM and leave no record. (A SIGTERM to the whole process group reaches the engine and the workers
+        too, and this call may find the engine gone: then each worker writes its records as it stops,
+        capture.py ``_close_on_worker_shutdown``.)"""
+        original = getattr(self.engine, "shutdown", None)
+        if original is None:
+            return
+
+        def shutdown(*args, **kwargs):
+            try:
+                asyncio.get_running_loop()
+                on_loop = True
+            except RuntimeError:
+                on_loop = False
+            if not on_loop and loop.is_running():  # vLLM's way: from an executor thread
+                try:
+                    results = asyncio.run_coroutine_threadsafe(
+                        self.rpc_all("online_opd_flush_capture", (SHUTDOWN_FLUSH_S,)), loop).result(
+                            SHUTDOWN_FLUSH_S + 5)
+                    written = [r for workers in results for r in workers if r is not None]
+                    logger.info("online-opd: captured records written before shutdown (%s)",
+                                ", ".join(f"{r.get('captured', 0)} captured, written: {r['written']}"
+                                          for r in written) or "nothing captured")
+                except Exception as exc:  # the engine may be stopping already (a process-group signal)
+                    logger.info("online-opd: no record flush through the engine before shutdown (%r); the "
+                                "workers write theirs as they stop", exc)
+            return original(*args, **kwargs)
+
+        self.engine.shutdown = shutdown
 
     @property
     def version(self) -> str | None:

@@ -285,6 +285,14 @@ class OnlineOPDWorkerExtension:
             trim.set_thresholds(thresholds)
         return trim.stats()
 
+    def online_opd_flush_capture(self, timeout: float = 10.0) -> dict | None:
+        """Write this worker's captured records now (the API server calls it before stopping the
+        engine, whose shutdown kills the worker processes); None where nothing is captured."""
+        from vllm_patches import capture
+
+        cap = capture.current()
+        return None if cap is None else {"written": cap.flush(timeout), **cap.stats()}
+
     def online_opd_status(self) -> dict:
         """Drafter version serving, reload counts and capture figures of this worker."""
         state = self._online_opd_state()

@@ -26,6 +26,14 @@ logger = logging.getLogger(__name__)
 _STOP = object()
 
 
+class _FlushRequest:
+    """Queued by ``BufferWriter.flush``: the thread writes what it holds, then sets ``done``."""
+
+    def __init__(self) -> None:
+        self.done = threading.Event()
+        self.written = False
+
+
 class BufferWriter:
     """Non-blocking sink for captured records: a bounded queue and one writer thread.
 
@@ -111,6 +119,21 @@ class BufferWriter:
         self._thread.join(None if deadline is None else max(0.0, deadline - time.monotonic()))
         return not self._thread.is_alive()
 
+    def flush(self, timeout: float = 10.0) -> bool:
+        """Write every record submitted so far now, without waiting for ``flush_records`` or
+        ``flush_interval_s``; True when they are on storage within ``timeout`` (False: a write failed and
+        they are held for retry, or the time ran out). The writer stays open."""
+        with self._lock:
+            closed = self._closed
+        if closed or not self._thread.is_alive():
+            return self._queue.empty()
+        request = _FlushRequest()
+        try:
+            self._queue.put(request, timeout=timeout)
+        except queue.Full:
+            return False
+        return request.done.wait(timeout) and request.written
+
     def stats(self) -> dict[str, Any]:
         """Counters plus the directory's bytes and segments (a running tally, no directory scan)."""
         with self._lock:
@@ -137,6 +160,12 @@ class BufferWriter:
             if item is _STOP:
                 self._give_up(self._flush(pending))
                 return
+            if isinstance(item, _FlushRequest):
+                pending = self._flush(pending) if pending else pending
+                deadline = time.monotonic() + self.retry_interval_s
+                item.written = not pending
+                item.done.set()
+                continue
             if item is not None:
                 if not pending:
                     deadline = time.monotonic() + self.flush_interval_s
