@@ -20,21 +20,9 @@ from online_opd.traces.buffer import SEGMENT_SCHEMA, BufferReader, decode_segmen
 from online_opd.traces.records import BlockRecord, SequenceRecord, TargetHidden
 from online_opd.train.opd import replay_records
 from tests.test_teacher_capture import new_request, run_step, schedule
-from tests.tiny import VOCAB, tiny_drafter, tiny_target
+from tests.test_teacher_signal import PROMPT, K, drafter, target  # noqa: F401  (the same tiny models)
+from tests.tiny import VOCAB
 from vllm_patches.capture import Capture, CaptureSettings, join_hidden
-
-K = 4
-PROMPT = [5, 17, 3, 42, 8, 29]
-
-
-@pytest.fixture(scope="module")
-def target():
-    return tiny_target(0, num_layers=3, init_range=0.5)
-
-
-@pytest.fixture(scope="module")
-def drafter(target):
-    return tiny_drafter(target, block_size=K, seed=1, std=0.02)
 
 
 @pytest.fixture(scope="module")
