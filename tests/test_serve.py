@@ -109,7 +109,7 @@ def test_capture_fidelity_parity_and_lossless_output(server, rollouts, trained_r
     drafter = load_drafter(trained_run / "drafter")
     target = TargetModel.from_pretrained(_target_path(), dtype=torch.float32)
     drafter.attach_target(target.embed_weight, target.lm_head_weight)
-    mismatched, total = 0, 0
+    mismatched, near_ties, total = 0, [], 0
     for rec in records:
         tokens = torch.tensor(rec.tokens)
         feats = target.forward(tokens, layer_ids=drafter.target_layer_ids, logits_at=tokens[:0]).aux_hidden
@@ -118,9 +118,22 @@ def test_capture_fidelity_parity_and_lossless_output(server, rollouts, trained_r
         proposed = propose_all(drafter, seq, anchors).tolist()
         for block, mine in zip(rec.blocks, proposed):
             total += 1
-            mismatched += list(block.draft_tokens) != mine
+            if list(block.draft_tokens) == mine:
+                continue
+            # a DFlash block's positions are argmaxed independently: a position may differ only where the
+            # torch drafter's own logits tie within float32 summation order (seen once: a 7.6e-6 gap)
+            a = block.anchor
+            with torch.no_grad():
+                logits = drafter(feats[: a + 1], torch.tensor([a]), tokens[[a]], tokens)[0].float()  # [K, V]
+            gaps = [float(logits[j, m] - logits[j, v]) for j, (v, m) in enumerate(zip(block.draft_tokens, mine))
+                    if v != m]
+            if max(gaps) <= 1e-4:
+                near_ties.append((rec.record_id, a, gaps))
+            else:
+                mismatched += 1
     assert total > 500
     assert mismatched == 0, f"{mismatched}/{total} blocks differ between vLLM and the torch drafter"
+    assert len(near_ties) <= 2, near_ties
 
 
 def _target_path():
