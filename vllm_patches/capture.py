@@ -65,21 +65,9 @@ distribution whatever the request's temperature; the block carries them as
 ``BlockRecord.teacher`` and replay then needs no target forward over the
 drafted positions (online_opd/opd/replay.py). Same host copy as the draft ids.
 
-The target's features (``hidden_sample_rate`` > 0, DFlash drafters). For a share
-of the teacher-carrying requests the record also keeps the target's aux hidden
-states the drafter reads (``SequenceRecord.hidden``), so replay runs no target
-forward at all. ``DFlashProposer.propose`` receives them for every token the
-target processed in the step (``target_hidden_states``, request i's rows
-``query_start_loc[i]:query_start_loc[i + 1]``, their ``target_positions``): the
-prefill chunks' prompt tokens, and per decode step the anchor and its drafts.
-The request keeps them by position, later rows overwriting earlier ones: a
-rejected draft's row at position p is replaced when the target processes the
-token sampled there (the next step, or a recompute after preemption), and every
-position before the last token is processed with its final token before the
-request ends. At the end the rows for positions 0..T-2 are joined; positions the
-target never ran (a prefix-cache hit, a step without the drafter) start the
-kept rows after the last one missing (``TargetHidden.start``). A request whose
-rows pass ``HIDDEN_MAX_BYTES`` stops keeping them.
+The target's features (``hidden_sample_rate`` > 0, DFlash drafters): a share of the
+teacher-carrying requests also keep the aux hidden states the drafter reads
+(``SequenceRecord.hidden``); how they are taken and joined: capture_features.py.
 
 Only one rank captures (tensor-parallel rank 0 of the last pipeline stage).
 Nothing here raises into vLLM: errors are logged once and counted.
@@ -87,8 +75,6 @@ Nothing here raises into vLLM: errors are logged once and counted.
 
 from __future__ import annotations
 
-import functools
-import inspect
 import logging
 import random
 import threading
@@ -101,9 +87,10 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from online_opd.opd.replay import top_k_logprobs
-from online_opd.traces.records import HIDDEN_DTYPES, BlockRecord, SequenceRecord, TargetHidden, TeacherTopK
+from online_opd.traces.records import BlockRecord, SequenceRecord, TeacherTopK
 from online_opd.traces.writer import BufferWriter
-from vllm_patches import draft_trim, ngram_fallback
+from vllm_patches import capture_features, draft_trim, ngram_fallback
+from vllm_patches.capture_features import HIDDEN_MAX_BYTES, join_hidden
 from vllm_patches.request_checks import OPT_OUT_KEY, read_capture_flag
 
 logger = logging.getLogger("online_opd.capture")
@@ -460,36 +447,6 @@ class Capture:
         return self._writer
 
 
-HIDDEN_MAX_BYTES = 256 << 20  # a request's kept feature rows (rejected drafts' included) past this: kept no more
-
-
-def join_hidden(parts: list, num_positions: int) -> TargetHidden | None:
-    """The rows for positions 0..num_positions - 1 from a request's (positions, rows, events) parts, in step
-    order (a later row for a position replaces an earlier one), from the first position after the last
-    one missing; None when none is left or a kept row is not finite."""
-    if num_positions <= 0 or not parts:
-        return None
-    for _, _, events in parts:
-        for event in events:
-            if event is not None:
-                event.synchronize()
-    width, dtype = parts[0][1].shape[1], parts[0][1].dtype
-    out = torch.empty(num_positions, width, dtype=dtype)
-    covered = torch.zeros(num_positions, dtype=torch.bool)
-    for positions, rows, _ in parts:
-        keep = (positions >= 0) & (positions < num_positions)
-        out[positions[keep]] = rows[keep]
-        covered[positions[keep]] = True
-    missing = (~covered).nonzero()
-    start = int(missing[-1]) + 1 if missing.numel() else 0
-    rows = out[start:]
-    if start >= num_positions or not bool(rows.isfinite().all()):
-        return None
-    if str(dtype).removeprefix("torch.") not in HIDDEN_DTYPES:
-        rows = rows.float()
-    return TargetHidden.from_tensor(start, rows)
-
-
 def _to_host(t: torch.Tensor) -> tuple[torch.Tensor, Any]:
     """Start a host copy of a small device tensor without waiting for it."""
     if t.device.type == "cpu":
@@ -585,7 +542,7 @@ def install(settings: CaptureSettings) -> Capture:
     GPUModelRunner.sample_tokens = sample_tokens
     _close_on_worker_shutdown(cap)
     if settings.hidden_sample_rate > 0:
-        _install_hidden(cap, _enabled)
+        capture_features.install(cap, _enabled)
     logger.info("online-opd capture installed: buffer %s, sample rate %.3g",
                 settings.buffer_dir, settings.sample_rate)
     return cap
@@ -613,41 +570,6 @@ def _close_on_worker_shutdown(cap: Capture) -> None:
         return orig_shutdown(self)
 
     WorkerWrapperBase.shutdown = shutdown
-
-
-def _install_hidden(cap: Capture, enabled: Any) -> None:
-    """The target's features: ``DFlashProposer.propose`` hands them to ``cap.on_context``, with the step's
-    request ids, which the model runner's ``propose_draft_token_ids`` (the proposer's caller) sets."""
-    from vllm.v1.spec_decode.dflash import DFlashProposer
-    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
-
-    orig_propose, orig_propose_ids = DFlashProposer.propose, GPUModelRunner.propose_draft_token_ids
-    signature = inspect.signature(orig_propose)
-
-    def propose_draft_token_ids(self, *args, **kwargs):
-        cap.proposing = list(self.input_batch.req_ids) if enabled(self) else None
-        try:
-            return orig_propose_ids(self, *args, **kwargs)
-        finally:
-            cap.proposing = None
-
-    @functools.wraps(orig_propose)  # keeps dflash_context's installed mark
-    def propose(self, *args, **kwargs):
-        if cap.proposing is not None:
-            try:
-                call = signature.bind(self, *args, **kwargs).arguments
-                positions = call["target_positions"]
-                if positions.dim() == 1:  # not M-RoPE
-                    cap.on_context(cap.proposing, positions, call["common_attn_metadata"].query_start_loc_cpu,
-                                   call["target_hidden_states"])
-            except Exception as exc:
-                cap.error("propose", exc)
-        return orig_propose(self, *args, **kwargs)
-
-    GPUModelRunner.propose_draft_token_ids = propose_draft_token_ids
-    DFlashProposer.propose = propose
-    logger.info("online-opd capture keeps the target's features of %.3g of the teacher-carrying requests",
-                cap.settings.hidden_sample_rate)
 
 
 def install_from_env() -> Capture | None:
