@@ -28,10 +28,10 @@ from pydantic_core import ErrorDetails
 
 from online_opd.config_base import PromptSource, StrictModel
 from online_opd.config_serving import CaptureConfig, CpuConfig, GateConfig, OnlineConfig, ServeConfig
-from online_opd.config_training import BootstrapConfig, EvalConfig, TrainerConfig
+from online_opd.config_training import AutoObjectiveConfig, BootstrapConfig, EvalConfig, TrainerConfig
 
-__all__ = ["ConfigError", "ModelConfig", "DrafterConfig", "DataConfig", "TrainerConfig", "BootstrapConfig",
-           "EvalConfig", "CaptureConfig", "ServeConfig", "GateConfig", "OnlineConfig", "CpuConfig",
+__all__ = ["ConfigError", "ModelConfig", "DrafterConfig", "DataConfig", "TrainerConfig", "AutoObjectiveConfig",
+           "BootstrapConfig", "EvalConfig", "CaptureConfig", "ServeConfig", "GateConfig", "OnlineConfig", "CpuConfig",
            "OnlineOPDConfig", "load_config", "apply_overrides", "dump_config"]
 
 RESERVED_ENGINE_KEYS = {"model": "model.target", "speculative_config": "the drafter section",

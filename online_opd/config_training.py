@@ -13,14 +13,50 @@ from pydantic import Field, field_validator, model_validator
 
 from online_opd.config_base import PromptSource, StrictModel
 
-__all__ = ["TrainerConfig", "BootstrapConfig", "EvalConfig"]
+__all__ = ["TrainerConfig", "AutoObjectiveConfig", "BootstrapConfig", "EvalConfig"]
+
+
+ReplayObjective = Literal["draft_opd", "all_forward", "all_reverse", "target_rollout"]
+
+
+class AutoObjectiveConfig(StrictModel):
+    """``trainer.objective: auto``: the objective chosen from the position-1 acceptance rate of the newest
+    verified blocks, with hysteresis (online_opd/opd/objective_schedule.py)."""
+
+    weak: ReplayObjective = Field(
+        "target_rollout", description="Objective while the drafter's blocks mostly fail at their first token "
+                                      "(and at the start).")
+    strong: ReplayObjective = Field(
+        "draft_opd", description="Objective once the position-1 acceptance reaches up_at.")
+    up_at: float = Field(0.6, gt=0, le=1, description="Position-1 acceptance rate at or above which the "
+                                                      "schedule switches from weak to strong.")
+    down_at: float = Field(0.5, ge=0, lt=1, description="Position-1 acceptance rate at or below which it "
+                                                        "switches back to weak (below up_at: hysteresis).")
+    window_blocks: int = Field(2048, ge=1, description="Newest verified blocks the rate is measured on.")
+    min_blocks: int = Field(256, ge=1, description="Blocks needed in the window before any decision.")
+    min_steps_between_switches: int = Field(
+        50, ge=0, description="Optimizer steps after a switch before the next one may come.")
+
+    @model_validator(mode="after")
+    def _consistent(self) -> AutoObjectiveConfig:
+        if self.weak == self.strong:
+            raise ValueError(f"trainer.auto.weak and strong must differ, both are {self.weak!r}")
+        if self.down_at >= self.up_at:
+            raise ValueError(f"trainer.auto.down_at ({self.down_at}) must be below up_at ({self.up_at})")
+        if self.min_blocks > self.window_blocks:
+            raise ValueError(f"trainer.auto.min_blocks ({self.min_blocks}) exceeds window_blocks "
+                             f"({self.window_blocks})")
+        return self
 
 
 class TrainerConfig(StrictModel):
     """Distillation objective, optimiser and loop of the drafter trainer."""
 
-    objective: Literal["sft", "draft_opd", "all_forward", "all_reverse", "target_rollout"] = Field(
-        "draft_opd", description="Training objective: Draft-OPD, its ablations, or DFlash-style SFT.")
+    objective: Literal["sft", "draft_opd", "all_forward", "all_reverse", "target_rollout", "auto"] = Field(
+        "draft_opd", description="Training objective: Draft-OPD, its ablations, DFlash-style SFT, or auto "
+                                 "(chosen from live acceptance between trainer.auto.weak and strong).")
+    auto: AutoObjectiveConfig = Field(
+        default_factory=AutoObjectiveConfig, description="The objective schedule of objective: auto.")
     lr: float = Field(3e-4, gt=0, description="Peak AdamW learning rate.")
     weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay.")
     betas: tuple[float, float] = Field((0.9, 0.95), description="AdamW betas.")

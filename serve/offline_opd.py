@@ -21,7 +21,7 @@ from online_opd.opd.rollout import greedy_blocks, pooled_acceptance_length
 from online_opd.traces.records import SequenceRecord
 from online_opd.train import distributed as dp
 from online_opd.train.loop import train
-from online_opd.train.opd import opd_step_fn, read_records, write_records
+from online_opd.train.opd import offline_objective, opd_step_fn, read_records, write_records
 from serve.pipeline import load_serving_drafter, prepare_sequences, resolve_target
 from serve.signals import stop_on_signals
 
@@ -86,13 +86,18 @@ def train_rank(cfg: OnlineOPDConfig, records: list[SequenceRecord], init: Path, 
     if cfg.trainer.num_threads:
         torch.set_num_threads(cfg.trainer.num_threads)
     generator = torch.Generator().manual_seed(cfg.trainer.seed)
+    objective = offline_objective(cfg.trainer, records, drafter.cfg.block_size)  # auto: one choice
+    if objective != cfg.trainer.objective:
+        logger.info("trainer.objective auto: training with %s (position-1 acceptance of the records' blocks)",
+                    objective)
     step_fn = opd_step_fn(target_model, drafter, records, cfg.trainer, generator=generator, device=device)
     with stop_on_signals() as stop:
         last = train(step_fn, drafter, cfg.trainer, run_dir, progress=progress,
-                     desc=f"train ({cfg.trainer.objective})", generator=generator, stop=stop)
+                     desc=f"train ({objective})", generator=generator, stop=stop)
     if not dp.is_main_process():
         return run_dir / "drafter"
     parent = read_manifest(init).get("version")
     return save_drafter(drafter, run_dir / "drafter", parent_version=parent, step=last,
-                        metrics={"objective": cfg.trainer.objective, "num_records": len(records),
+                        metrics={"objective": cfg.trainer.objective, "objective_in_use": objective,
+                                 "num_records": len(records),
                                  "num_workers": dp.world_size()})

@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from online_opd.config import AutoObjectiveConfig
 from online_opd.release.registry import DrafterRegistry
 from online_opd.train import online_dp
 from online_opd.train.online import OnlineTrainer
@@ -35,10 +36,14 @@ NUM_STEPS = 3  # counted from the start, the resumed step included
 NUM_AFTER_RELOAD = 2
 
 
-def _cfg(max_steps: int):
+def _cfg(max_steps: int, objective: str = "draft_opd"):
     cfg = _config(max_steps=max_steps, num_threads=1)
     cfg.trainer.sequences_per_step = 3
     cfg.gate.every_steps = 1000  # no gate: it changes no weights and would only cost time
+    if objective == "auto":  # the tiny drafter's a1 (0.037) is above up_at: all_forward from step 1 on
+        cfg.trainer.objective = "auto"
+        cfg.trainer.auto = AutoObjectiveConfig(strong="all_forward", up_at=0.02, down_at=0.0, min_blocks=32,
+                                               window_blocks=4096, min_steps_between_switches=0)
     return cfg
 
 
@@ -65,11 +70,11 @@ def _spy_losses(trainer: OnlineTrainer) -> list[float]:
     return losses
 
 
-def _rank(rank: int, init_file: str, paths: dict, out: str) -> None:
+def _rank(rank: int, init_file: str, paths: dict, out: str, objective: str) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
     try:
-        cfg = _cfg(NUM_STEPS)
+        cfg = _cfg(NUM_STEPS, objective)
         if rank == 0:
             _main_rank(cfg, paths, Path(out))
         else:
@@ -100,19 +105,19 @@ def _main_rank(cfg, paths: dict, out: Path) -> None:
     torch.save({"losses": losses, "digests": digests, "weights": weights}, out)
 
 
-def _first_steps(paths: dict) -> None:
+def _first_steps(paths: dict, objective: str) -> None:
     """NUM_RESUMED steps in one process, saved: the state both runs resume from."""
-    trainer = OnlineTrainer(_cfg(NUM_STEPS), **paths)
+    trainer = OnlineTrainer(_cfg(NUM_STEPS, objective), **paths)
     trainer.poll()
     for _ in range(NUM_RESUMED):
         trainer.step()
     trainer.save()
 
 
-def _one_process(paths: dict) -> tuple[list[float], dict[str, torch.Tensor]]:
+def _one_process(paths: dict, objective: str) -> tuple[list[float], dict[str, torch.Tensor]]:
     """The same steps in one OnlineTrainer: resume, poll, steps, the other drafter promoted, resync, steps."""
-    _first_steps(paths)
-    trainer = OnlineTrainer(_cfg(NUM_STEPS), **paths)
+    _first_steps(paths, objective)
+    trainer = OnlineTrainer(_cfg(NUM_STEPS, objective), **paths)
     trainer.poll()
     losses = [trainer.step()["loss"] for _ in range(NUM_STEPS - NUM_RESUMED)]
     _promote_other_drafter(paths["registry_dir"])
@@ -121,14 +126,17 @@ def _one_process(paths: dict) -> tuple[list[float], dict[str, torch.Tensor]]:
     return losses, {k: v.detach().clone() for k, v in trainer.drafter.state_dict().items()}
 
 
-def test_two_ranks_train_online_as_one_process_and_a_reload_reaches_the_replicas(world, tmp_path):  # noqa: F811
-    one_losses, one_weights = _one_process(_setup(world, tmp_path / "one"))
+@pytest.mark.parametrize("objective", ["draft_opd", "auto"])
+def test_two_ranks_train_online_as_one_process_and_a_reload_reaches_the_replicas(world, tmp_path,  # noqa: F811
+                                                                                 objective):
+    """With auto the replicas take each step's objective from rank 0 (theirs would say "auto")."""
+    one_losses, one_weights = _one_process(_setup(world, tmp_path / "one"), objective)
     assert len(set(one_losses)) == len(one_losses)  # different steps, not a constant
 
     paths = _setup(world, tmp_path / "dp")
-    _first_steps(paths)
+    _first_steps(paths, objective)
     out = tmp_path / "rank0.pt"
-    mp.spawn(_rank, args=(str(tmp_path / "init"), paths, str(out)), nprocs=2, join=True)
+    mp.spawn(_rank, args=(str(tmp_path / "init"), paths, str(out), objective), nprocs=2, join=True)
     result = torch.load(out, weights_only=True)
 
     assert len(result["losses"]) == len(one_losses) == NUM_STEPS - NUM_RESUMED + NUM_AFTER_RELOAD
@@ -140,7 +148,9 @@ def test_two_ranks_train_online_as_one_process_and_a_reload_reaches_the_replicas
     assert reloaded[0] != reloaded[1] and reloaded[1] == trained[1]  # rank 0 alone reloaded ...
     assert after[0] == after[1] and after != trained  # ... until its broadcast; then the same steps
     registry = DrafterRegistry(paths["registry_dir"])
-    assert OnlineTrainer(_cfg(NUM_STEPS), **paths).stats()["steps"] == NUM_STEPS + NUM_AFTER_RELOAD  # saved
+    resumed = OnlineTrainer(_cfg(NUM_STEPS, objective), **paths)
+    assert resumed.stats()["steps"] == NUM_STEPS + NUM_AFTER_RELOAD  # saved
+    assert resumed.stats()["objective"] == ("all_forward" if objective == "auto" else "draft_opd")
     assert registry.current().version == "v0002"
 
 

@@ -51,6 +51,8 @@ KNOWN_METRICS = {
     "online_opd_reloads_total",
     "online_opd_reload_duration_seconds_bucket",
     "online_opd_rollbacks_total",
+    "online_opd_trainer_objective",
+    "online_opd_trainer_first_position_acceptance",
 }
 
 

@@ -201,7 +201,8 @@ def test_prometheus_series_from_status_and_trainer():
     trainer = {"steps": 12, "replayed_tokens": 900, "loss": 0.5, "loss_accepted": 0.2, "loss_rejected": 0.3,
                "promotions": 1, "gates": 2, "last_gate": {"tau_candidate": 1.4, "tau_serving": 1.2,
                                                            "record_diff_lower": 0.05},
-               "rest_seconds": 30.5, "engines_idle": True, "restarts": {"actor": 2, "ray": 1}}
+               "rest_seconds": 30.5, "engines_idle": True, "restarts": {"actor": 2, "ray": 1},
+               "objective": "target_rollout", "objective_switches": 2, "first_position_acceptance": 0.375}
     registry.register(PolledCollector(lambda: status))
     registry.register(TrainerCollector(lambda: trainer))
     text = generate_latest(registry).decode()
@@ -214,7 +215,9 @@ def test_prometheus_series_from_status_and_trainer():
                  "online_opd_gate_promotions_total 1.0", "online_opd_buffer_write_errors_total 4.0",
                  "online_opd_buffer_held_records 5.0", 'online_opd_trainer_restarts_total{level="actor"} 2.0',
                  'online_opd_trainer_restarts_total{level="ray"} 1.0', "online_opd_trainer_rest_seconds_total 30.5",
-                 "online_opd_trainer_engines_idle 1.0"]:
+                 "online_opd_trainer_engines_idle 1.0", 'online_opd_trainer_objective{objective="target_rollout"} 1.0',
+                 "online_opd_trainer_objective_switches_total 2.0",
+                 "online_opd_trainer_first_position_acceptance 0.375"]:
         assert line in text, line
     down = CollectorRegistry()
     down.register(TrainerCollector(lambda: None))

@@ -208,6 +208,22 @@ class TrainerCollector(Collector):
             family = GaugeMetricFamily(f"{PREFIX}_{name}", doc)
             family.add_metric([], float(stats.get(key) or 0))
             yield family
+        if stats.get("objective"):
+            objective = GaugeMetricFamily(
+                f"{PREFIX}_trainer_objective", "1 for the objective the online trainer's next step uses "
+                "(trainer.objective, or auto's choice).", labels=["objective"])
+            objective.add_metric([str(stats["objective"])], 1.0)
+            yield objective
+        if stats.get("first_position_acceptance") is not None:
+            a1 = GaugeMetricFamily(
+                f"{PREFIX}_trainer_first_position_acceptance", "Position-1 acceptance rate of the newest "
+                "verified blocks the trainer read (objective: auto decides on it).")
+            a1.add_metric([], float(stats["first_position_acceptance"]))
+            yield a1
+        switches = CounterMetricFamily(f"{PREFIX}_trainer_objective_switches",
+                                       "Objective changes made by objective: auto.")
+        switches.add_metric([], float(stats.get("objective_switches") or 0))
+        yield switches
         gate = stats.get("last_gate") or {}
         if gate:
             tau = GaugeMetricFamily(f"{PREFIX}_gate_tau", "Last gate's simulated tau on held-out records.",

@@ -13,6 +13,11 @@ without speculation (coverage below ``online.simulate_below_coverage``) is
 replayed on the blocks the *current* drafter would have drafted over it, at
 any temperature; such replays are counted as ``records_simulated``.
 
+Objective. ``trainer.objective``, or with ``auto`` the objective schedule's choice
+(opd/objective_schedule.py): every polled record's verified blocks feed its window of
+position-1 acceptance, and each step asks it which of ``trainer.auto.weak`` / ``strong``
+to train with (``objective_name``); its state (window, switches) is saved with the trainer's.
+
 Schedule. AdamW from train/optim.py with transformers'
 ``get_constant_schedule_with_warmup``: a linear warm-up over W =
 ``round(trainer.warmup_ratio * trainer.num_steps)`` steps (lr * s / W at step
@@ -68,7 +73,7 @@ import math
 import threading
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -81,7 +86,7 @@ from online_opd.release.registry import DrafterRegistry
 from online_opd.traces.records import SequenceRecord
 from online_opd.train.load import EngineLoad
 from online_opd.train.online_dp import new_optimizer, replay_update
-from online_opd.train.opd import objective_fn, plan_replay
+from online_opd.train.opd import objective_fn, objective_schedule, plan_replay, replayable_blocks
 from online_opd.train.record_pools import RecordPools
 from online_opd.train.state import STATE_FILE, load_state, save_state
 
@@ -99,9 +104,9 @@ class OnlineTrainer:
 
     def __init__(self, cfg: OnlineOPDConfig, *, target_path: Path, buffer_dir: Path | str, registry_dir: Path,
                  state_dir: Path) -> None:
-        if cfg.trainer.objective not in LOSSES:
+        if cfg.trainer.objective not in (*LOSSES, "auto"):
             raise ValueError(f"online training replays recorded blocks: trainer.objective must be one of "
-                             f"{sorted(LOSSES)}, got {cfg.trainer.objective!r} (SFT is the offline "
+                             f"{sorted(LOSSES)} or auto, got {cfg.trainer.objective!r} (SFT is the offline "
                              "bootstrap)")
         self.cfg = cfg
         self.state_dir = Path(state_dir)
@@ -118,7 +123,8 @@ class OnlineTrainer:
         self.block_size = self.drafter.cfg.block_size
         tcfg = cfg.trainer
         self.optimizer, self.scheduler = self._new_optimizer()
-        self.objective = objective_fn(tcfg)
+        self.schedule = objective_schedule(tcfg)  # None: the fixed trainer.objective
+        self._objectives: dict[str, Callable] = {}
         self.generator = torch.Generator().manual_seed(tcfg.seed)
         self.pools = RecordPools(cfg, buffer_dir)
         self.step_count = 0
@@ -129,7 +135,8 @@ class OnlineTrainer:
             "status": "waiting_for_data", **{k: 0 for k in _COUNTERS}, "loss": None, "loss_accepted": None,
             "loss_rejected": None, "lr": None, "grad_norm": None, "step_seconds": None, "train_seconds": 0.0,
             "rest_seconds": 0.0, "last_gate": None, "last_published": None, "last_error": None,
-            "trained_from": current.version,
+            "trained_from": current.version, "objective": self.schedule.current if self.schedule else tcfg.objective,
+            "objective_switches": 0, "first_position_acceptance": None,
         }
         self._resume()
         self.sync_with_registry()
@@ -138,12 +145,40 @@ class OnlineTrainer:
 
     def poll(self) -> int:
         """Read new buffer records into the pools (``RecordPools.poll``) and add them to the counters;
-        returns how many were kept (train + held-out)."""
+        returns how many were kept (train + held-out). With ``objective: auto`` their verified blocks
+        feed the objective schedule (held-out ones too: they are live traffic as well)."""
         kept, counts = self.pools.poll(self.block_size)
+        if self.schedule is not None:
+            for record in kept:
+                self.schedule.observe(b.num_accepted for b in replayable_blocks(record, self.block_size))
         with self._lock:
             for key, value in counts.items():
                 self._stats[key] += value
-        return kept
+            if self.schedule is not None:
+                self._stats["first_position_acceptance"] = self.schedule.first_position_acceptance()
+        return len(kept)
+
+    def objective_name(self) -> str:
+        """The objective of the next step: ``trainer.objective``, or the schedule's choice for it (which
+        may switch here; asking again before the step changes nothing)."""
+        if self.schedule is None:
+            return self.cfg.trainer.objective
+        name = self.schedule.choose(self.step_count + 1)
+        with self._lock:
+            self._stats["objective"] = name
+            self._stats["objective_switches"] = len(self.schedule.switches)
+        switch = self.schedule.switches[-1] if self.schedule.switches else None
+        if switch is not None and switch.step == self.step_count + 1 and switch.after == name:
+            logger.info("online trainer: objective %s -> %s at step %d (position-1 acceptance %.3f over %d "
+                        "blocks)", switch.before, switch.after, switch.step, switch.first_position_acceptance,
+                        switch.num_blocks)
+        return name
+
+    def objective(self, name: str) -> Callable:
+        """Objective ``name`` with the trainer section's hyper-parameters (``opd.objective_fn``), cached."""
+        if name not in self._objectives:
+            self._objectives[name] = objective_fn(self.cfg.trainer, name)
+        return self._objectives[name]
 
     def replay_plan(self, record: SequenceRecord) -> SequenceRecord | None:
         """The record as this step replays it (``opd.plan_replay``); counts simulated ones."""
@@ -176,15 +211,16 @@ class OnlineTrainer:
         FloatingPointError before any weight changes."""
         start = time.perf_counter() if start is None else start
         self.drafter.train()
+        objective = self.objective_name()
         try:
             replayed, loss, grad_norm = replay_update(
-                self.target, self.drafter, records, self.objective, self.optimizer, self.scheduler,
+                self.target, self.drafter, records, self.objective(objective), self.optimizer, self.scheduler,
                 self.cfg.trainer, generator=self.generator, device=self.device)
         except FloatingPointError as exc:  # never step into NaN weights
             raise FloatingPointError(f"{exc} at step {self.step_count + 1}") from exc
         num_tokens = replayed.num_replayed_tokens
         self.step_count += 1
-        stats = {"step": self.step_count, "loss": loss,
+        stats = {"step": self.step_count, "loss": loss, "objective": objective,
                  "loss_accepted": replayed.accepted, "loss_rejected": replayed.rejected,
                  "replayed_tokens": num_tokens, "grad_norm": grad_norm,
                  "lr": self.scheduler.get_last_lr()[0], "seconds": time.perf_counter() - start}
@@ -219,7 +255,11 @@ class OnlineTrainer:
             self.drafter.train()
         with self._lock:
             last_step = {k: self._stats[k] for k in ("loss", "loss_accepted", "loss_rejected", "lr")}
+            objective = self._stats["objective"]
         metrics = {"gate": result.to_dict(), "objective": self.cfg.trainer.objective, "train": last_step}
+        if self.schedule is not None:  # which of the two trained last, and on what acceptance
+            metrics["objective_schedule"] = {"current": objective, "switches": len(self.schedule.switches),
+                                             "first_position_acceptance": self.schedule.first_position_acceptance()}
         info = self.registry.publish(self.drafter, parent=current.version, step=self.step_count,
                                      metrics=metrics)
         figures = (f"tau {result.tau_candidate:.3f} vs {result.tau_serving:.3f} ({current.version}) "
@@ -274,6 +314,8 @@ class OnlineTrainer:
             kept = (*_COUNTERS, "last_gate", "last_published", "trained_from")
             counters = {k: self._stats[k] for k in kept}
         extra = {"cursor": self.pools.cursor, "counters": counters}
+        if self.schedule is not None:
+            extra["objective_schedule"] = self.schedule.state_dict()
         path = save_state(self.state_dir, step=self.step_count, drafter=self.drafter,
                           optimizer=self.optimizer, scheduler=self.scheduler, extra=extra,
                           generator=self.generator)
@@ -295,10 +337,28 @@ class OnlineTrainer:
             self._stats.update(extra.get("counters", {}), steps=self.step_count)
             if self.step_count:
                 self._stats["status"] = "training"
-        self.pools.resume(extra.get("cursor"), self.block_size)
+        resumed = self.pools.resume(extra.get("cursor"), self.block_size)
+        if self.schedule is not None:
+            self._resume_schedule(extra.get("objective_schedule"), resumed)
         self._saved_step = self.step_count
         logger.info("online trainer resumed at step %d (%d train, %d held-out records)",
                     self.step_count, len(self.pools.window), len(self.pools.held_out))
+
+    def _resume_schedule(self, state: dict | None, records: list[SequenceRecord]) -> None:
+        """The objective schedule from the state file; from a state without one (saved with a fixed
+        objective), its window is rebuilt from the resumed pools' ``records`` (oldest first)."""
+        if state is not None:
+            try:
+                self.schedule.load_state_dict(state)
+            except (ValueError, TypeError) as exc:  # trainer.auto changed its objectives since
+                logger.warning("online trainer: saved objective schedule not resumed (%s); it starts over", exc)
+                state = None
+        if state is None:
+            for record in records:
+                self.schedule.observe(b.num_accepted for b in replayable_blocks(record, self.block_size))
+        with self._lock:
+            self._stats.update(objective=self.schedule.current, objective_switches=len(self.schedule.switches),
+                               first_position_acceptance=self.schedule.first_position_acceptance())
 
     # ---- loop -------------------------------------------------------------------------------------
 

@@ -8,6 +8,7 @@ collective that the others never reach:
 
     {"stop": bool,                          all ranks leave the loop
      "records": [SequenceRecord] | None,    this step's records as replayed (sampled, planned); None: no step
+     "objective": str | None,               this step's objective (trainer.objective, or auto's choice)
      "generator": ByteTensor | None,        rank 0's sampling generator after sampling (anchor draws)
      "reload_weights": str | None}          a drafter folder: load its architecture, then take rank 0's state
 
@@ -126,7 +127,7 @@ class Replica:
         self.device = torch.device(cfg.online.device)
         self.target = TargetModel.from_pretrained(target_path, dtype=torch.float32)
         self.target.model.to(self.device)
-        self.objective = objective_fn(cfg.trainer)
+        self.objectives: dict[str, Any] = {}  # by name, as rank 0 names each step's (objective: auto)
         self.generator = torch.Generator()
         self.drafter: torch.nn.Module | None = None
         self.optimizer = self.scheduler = None
@@ -152,8 +153,11 @@ class Replica:
                 continue
             self.generator.set_state(control["generator"])
             self.drafter.train()
+            name = control["objective"]
+            if name not in self.objectives:
+                self.objectives[name] = objective_fn(self.cfg.trainer, name)
             try:
-                replay_update(self.target, self.drafter, control["records"], self.objective, self.optimizer,
+                replay_update(self.target, self.drafter, control["records"], self.objectives[name], self.optimizer,
                               self.scheduler, self.cfg.trainer, generator=self.generator, device=self.device)
             except FloatingPointError:  # raised on every rank alike: rank 0 counts it
                 continue
@@ -212,6 +216,7 @@ def send_control(trainer: OnlineTrainer, is_stop: bool, records: list[SequenceRe
     """Rank 0's half of one iteration's exchange: the control object, then its state when ``reload``."""
     version = trainer.stats()["trained_from"]
     exchange_control({"stop": is_stop, "records": records,
+                      "objective": trainer.objective_name() if records is not None else None,
                       "generator": trainer.generator.get_state() if records is not None else None,
                       "reload_weights": str(trainer.registry.get(version).path) if reload else None})
     if reload:

@@ -21,6 +21,7 @@ import torch
 from online_opd.config import TrainerConfig
 from online_opd.files import atomic_write_text
 from online_opd.opd.losses import DraftOPDLoss, get_loss, pool_losses
+from online_opd.opd.objective_schedule import ObjectiveSchedule
 from online_opd.opd.replay import replay_sequence
 from online_opd.opd.rollout import simulated_record
 from online_opd.traces.records import BlockRecord, SequenceRecord
@@ -50,16 +51,38 @@ def write_records(path: Path, records: list[SequenceRecord]) -> None:
     atomic_write_text(path, "".join(json.dumps(r.to_dict()) + "\n" for r in records))
 
 
-def objective_fn(cfg: TrainerConfig) -> Callable:
-    """The configured objective with its hyper-parameters bound: ``(p, q, r, num_drafted=None)``."""
-    loss = get_loss(cfg.objective)
+def objective_fn(cfg: TrainerConfig, name: str | None = None) -> Callable:
+    """Objective ``name`` (default: the configured one, which must not be "auto": see
+    ``objective_schedule``) with the config's hyper-parameters bound: ``(p, q, r, num_drafted=None)``."""
+    name = cfg.objective if name is None else name
+    if name == "auto":
+        raise ValueError("objective 'auto' is a schedule over two objectives: pick one with "
+                         "ObjectiveSchedule (online) or offline_objective (offline)")
+    loss = get_loss(name)
     kwargs: dict = {}
-    if cfg.objective == "draft_opd":
+    if name == "draft_opd":
         kwargs = {"gamma": cfg.gamma, "lambda_acc": cfg.lambda_acc, "lambda_rej": cfg.lambda_rej,
                   "first_rejected_only": cfg.first_rejected_only}
-    elif cfg.objective == "all_reverse":
+    elif name == "all_reverse":
         kwargs = {"gamma": cfg.gamma}
     return lambda p, q, r, num_drafted=None: loss(p, q, r, num_drafted=num_drafted, **kwargs)
+
+
+def objective_schedule(cfg: TrainerConfig) -> ObjectiveSchedule | None:
+    """The schedule of ``objective: auto`` (``trainer.auto``); None for a fixed objective."""
+    return ObjectiveSchedule.from_config(cfg.auto) if cfg.objective == "auto" else None
+
+
+def offline_objective(cfg: TrainerConfig, records: list[SequenceRecord], block_size: int) -> str:
+    """The objective an offline run on ``records`` trains with: the configured one, or for "auto" the
+    schedule's choice on the acceptance of every replayable block of the records (they are the traffic
+    it sees; one decision, since offline records do not change)."""
+    schedule = objective_schedule(cfg)
+    if schedule is None:
+        return cfg.objective
+    for record in records:
+        schedule.observe(b.num_accepted for b in replayable_blocks(record, block_size))
+    return schedule.choose(1)
 
 
 def replayable_blocks(record: SequenceRecord, block_size: int) -> tuple[BlockRecord, ...]:
@@ -172,8 +195,9 @@ def opd_step_fn(target, drafter, records: list[SequenceRecord], cfg: TrainerConf
                 generator: torch.Generator | None = None, device: torch.device | None = None):
     """A `train()` step function: replay `sequences_per_step` records per step, picked with
     ``generator`` (default: seeded with ``cfg.seed``; pass the same one to `train()` to resume it),
-    on ``device`` (the models' device; None = the CPU). Data-parallel as `replay_records` is."""
-    objective = objective_fn(cfg)
+    on ``device`` (the models' device; None = the CPU). Data-parallel as `replay_records` is.
+    ``objective: auto`` picks one objective for the run (``offline_objective``)."""
+    objective = objective_fn(cfg, offline_objective(cfg, records, drafter.cfg.block_size))
     gen = generator if generator is not None else torch.Generator().manual_seed(cfg.seed)
 
     def step_fn(_step: int):

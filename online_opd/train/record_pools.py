@@ -64,19 +64,19 @@ class RecordPools:
         self.held_out: deque[SequenceRecord] = deque(maxlen=cfg.gate.max_records)
         self._warned_unusable = False
 
-    def poll(self, block_size: int) -> tuple[int, dict[str, int]]:
-        """Read new buffer records into the pools. Returns how many were kept (train + held-out) and
-        the counts to add to the trainer's counters (``records_seen``, ``records_invalid``,
+    def poll(self, block_size: int) -> tuple[list[SequenceRecord], dict[str, int]]:
+        """Read new buffer records into the pools. Returns the records kept (train + held-out, in buffer
+        order) and the counts to add to the trainer's counters (``records_seen``, ``records_invalid``,
         ``records_unusable``; none before any server has captured anything)."""
         if not self.reader.exists():  # no server has captured anything yet
-            return 0, {}
+            return [], {}
         records, self.cursor = self.reader.tail(self.cursor, settle_s=self.cfg.online.settle_s)
         counts = {"records_seen": len(records), "records_invalid": 0, "records_unusable": 0}
-        kept = 0
+        kept = []
         for record in records:
             verdict = self._route(record, block_size, fresh=True)
             if verdict == "kept":
-                kept += 1
+                kept.append(record)
             else:
                 counts[verdict] += 1
         if counts["records_unusable"] and not self.window and not self._warned_unusable:
@@ -121,17 +121,17 @@ class RecordPools:
             self.fresh.pop(record.record_id, None)
         return picks
 
-    def resume(self, cursor: str | None, block_size: int) -> None:
-        """Go on from a saved ``cursor`` (None: the buffer was never read): rebuild the pools up to it."""
+    def resume(self, cursor: str | None, block_size: int) -> list[SequenceRecord]:
+        """Go on from a saved ``cursor`` (None: the buffer was never read): rebuild the pools up to it.
+        Returns the records put back (oldest first)."""
         self.cursor = cursor
-        if cursor is not None:
-            self._rebuild(cursor, block_size)
+        return self._rebuild(cursor, block_size) if cursor is not None else []
 
-    def _rebuild(self, cursor: str, block_size: int) -> None:
+    def _rebuild(self, cursor: str, block_size: int) -> list[SequenceRecord]:
         """Refill the pools from the segments up to ``cursor``, newest first, reading only as many
         segments as the pools hold; these records were trained on already, so none is fresh."""
         if not self.reader.exists():
-            return
+            return []
         chunks: list[list[SequenceRecord]] = []
         need_train, need_held_out = self.window.maxlen or 0, self.held_out.maxlen or 0
         for info in reversed([s for s in self.reader.segments() if s.name <= cursor]):
@@ -145,6 +145,7 @@ class RecordPools:
             need_train, need_held_out = need_train - (len(records) - held), need_held_out - held
             if need_train <= 0 and need_held_out <= 0:
                 break
+        kept = []
         for records in reversed(chunks):
-            for record in records:
-                self._route(record, block_size, fresh=False)
+            kept += [r for r in records if self._route(r, block_size, fresh=False) == "kept"]
+        return kept

@@ -1,0 +1,127 @@
+"""Choose the training objective from live acceptance (``trainer.objective: auto``).
+
+Which objective trains a drafter best depends on how good the drafter already is. The paper's
+Draft-OPD beats the naive target-rollout forward KL from strong drafters (Table 4: tau 4.4-6.6 at
+K = 16, where most blocks accept their first tokens). From the weak drafters this product starts from
+(tau 1.1-1.5 at K = 4, position-1 acceptance 0.1-0.4) our measurements find target-rollout ahead or
+tied (README, "Learning" rows). The mechanism: when most blocks reject their first token, Draft-OPD's
+accepted group is small and half of its loss is a reverse KL on positions that follow a rejected draft,
+while target-rollout puts a forward (mass-covering) KL on exactly the positions that decide
+acceptance, the verified trajectory up to the first rejection.
+
+The signal is the **position-1 acceptance rate** a1 of the newest ``window_blocks`` verified blocks:
+the share whose first drafted token the verifier accepted (vLLM's per-position acceptance counter at
+position 1, over the traffic the trainer reads). It does not depend on the block size K, and it is the
+share of blocks that give Draft-OPD's accepted group anything at all.
+
+Rule, with hysteresis so that noise near a threshold cannot make it flap:
+
+- it starts on ``weak`` (target-rollout by default);
+- on ``weak``, it switches to ``strong`` (Draft-OPD) once a1 >= ``up_at``;
+- on ``strong``, it switches back once a1 <= ``down_at`` (< ``up_at``);
+- no decision before the window holds ``min_blocks`` blocks, and none within
+  ``min_steps_between_switches`` steps of the last switch (the first switch may come at any step).
+
+Pure Python: ``observe`` takes the accepted counts of verified blocks, oldest first; ``choose(step)``
+returns the objective for that step and records a switch in ``switches``; ``state_dict`` /
+``load_state_dict`` carry it through the online trainer's state file.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import asdict, dataclass
+from typing import Any, Iterable
+
+
+@dataclass(frozen=True)
+class Switch:
+    """One change of objective: at ``step``, from ``before`` to ``after``, with the a1 that decided it."""
+
+    step: int
+    before: str
+    after: str
+    first_position_acceptance: float
+    num_blocks: int
+
+
+class ObjectiveSchedule:
+    """The objective for each online step, from the acceptance of recent verified blocks (module doc)."""
+
+    def __init__(self, *, weak: str, strong: str, up_at: float, down_at: float, window_blocks: int,
+                 min_blocks: int, min_steps_between_switches: int) -> None:
+        if weak == strong:
+            raise ValueError(f"weak and strong objectives must differ, both are {weak!r}")
+        if not 0.0 <= down_at < up_at <= 1.0:
+            raise ValueError(f"need 0 <= down_at < up_at <= 1, got down_at {down_at}, up_at {up_at}")
+        if window_blocks < 1 or not 1 <= min_blocks <= window_blocks:
+            raise ValueError(f"need 1 <= min_blocks <= window_blocks, got {min_blocks} and {window_blocks}")
+        if min_steps_between_switches < 0:
+            raise ValueError(f"min_steps_between_switches must be >= 0, got {min_steps_between_switches}")
+        self.weak, self.strong = weak, strong
+        self.up_at, self.down_at = float(up_at), float(down_at)
+        self.min_blocks = min_blocks
+        self.min_steps_between_switches = min_steps_between_switches
+        self._first_accepted: deque[bool] = deque(maxlen=window_blocks)  # per block: r >= 1
+        self.current = weak
+        self.switches: list[Switch] = []
+
+    @classmethod
+    def from_config(cls, cfg: Any) -> "ObjectiveSchedule":
+        """From a ``trainer.auto`` section (config_training.AutoObjectiveConfig)."""
+        return cls(weak=cfg.weak, strong=cfg.strong, up_at=cfg.up_at, down_at=cfg.down_at,
+                   window_blocks=cfg.window_blocks, min_blocks=cfg.min_blocks,
+                   min_steps_between_switches=cfg.min_steps_between_switches)
+
+    @property
+    def objectives(self) -> tuple[str, str]:
+        return self.weak, self.strong
+
+    @property
+    def num_blocks(self) -> int:
+        return len(self._first_accepted)
+
+    def observe(self, num_accepted: Iterable[int]) -> None:
+        """Add verified blocks (their accepted-token counts r >= 0, oldest first) to the window."""
+        for r in num_accepted:
+            if isinstance(r, bool) or not isinstance(r, int) or r < 0:
+                raise ValueError(f"a block's accepted count must be an int >= 0, got {r!r}")
+            self._first_accepted.append(r >= 1)
+
+    def first_position_acceptance(self) -> float | None:
+        """a1 over the window; None while it is empty."""
+        if not self._first_accepted:
+            return None
+        return sum(self._first_accepted) / len(self._first_accepted)
+
+    def choose(self, step: int) -> str:
+        """The objective for optimizer step ``step`` (1-based, increasing); switches per the rule."""
+        a1 = self.first_position_acceptance()
+        if a1 is None or self.num_blocks < self.min_blocks:
+            return self.current
+        if self.switches and step - self.switches[-1].step < self.min_steps_between_switches:
+            return self.current
+        after = self.current
+        if self.current == self.weak and a1 >= self.up_at:
+            after = self.strong
+        elif self.current == self.strong and a1 <= self.down_at:
+            after = self.weak
+        if after != self.current:
+            self.switches.append(Switch(step, self.current, after, round(a1, 4), self.num_blocks))
+            self.current = after
+        return self.current
+
+    def state_dict(self) -> dict[str, Any]:
+        """JSON-safe state: the current objective, the switches and the window."""
+        return {"current": self.current, "switches": [asdict(s) for s in self.switches],
+                "first_accepted": [int(x) for x in self._first_accepted]}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Go on from ``state_dict``'s output (a state naming other objectives is refused)."""
+        current = state.get("current", self.weak)
+        if current not in self.objectives:
+            raise ValueError(f"saved objective {current!r} is neither {self.weak!r} nor {self.strong!r}")
+        self.current = current
+        self.switches = [Switch(**s) for s in state.get("switches", [])]
+        self._first_accepted.clear()
+        self._first_accepted.extend(bool(x) for x in state.get("first_accepted", []))
