@@ -3,8 +3,9 @@
 Arms, in one run on this machine:
   (a) static     the bootstrap drafter, never updated;
   (b) naive      online training with the target-rollout forward KL (trainer.objective=target_rollout);
-  (c) draft_opd  online Draft-OPD (trainer.objective=draft_opd).
-(b) and (c) each run `online-opd serve` with its Ray trainer for the same number of optimizer
+  (c) draft_opd  online Draft-OPD (trainer.objective=draft_opd);
+  (d) auto       (only with `--arms ...,auto`) the objective chosen from live acceptance.
+The online arms each run `online-opd serve` with its Ray trainer for the same number of optimizer
 steps (`--steps`) with the same batch shape: equal trainer compute (their trainer seconds are
 reported too). Traffic: `online-opd loadgen`'s engine on HumanEval *train*-split prompts, greedy,
 closed loop. The gate (margin 0, paired lower bound) promotes versions; the reloader hot-loads them.
@@ -16,6 +17,12 @@ the verifier accepts, follow from the rollout (online_opd/opd/rollout.py), and t
 proposes bit-for-bit what the torch drafter proposes (tests/test_serve.py checks this at every
 captured anchor). The curve is tau of the version serving at each moment. The live tau on the
 training traffic (vLLM's own counters, per version) is reported beside it.
+
+Keeping up (issue 11 item 3), per arm over its wall time: served tokens/s (vllm:generation_tokens_total)
+against the trainer's trained tokens/s (online_opd_trainer_trained_tokens_total: r + 1 per replayed
+block, the served tokens its steps learnt from); `keep_up` is their ratio (>= 1: the trainer could
+learn from every verified block once). `--capture-features` serves with the verifier's top-32 and the
+target's features captured for every request, so replay runs no target forward.
 
 Prints JSON; writes `<out>/domain_shift.json` and `<out>/domain_shift.png`.
 """
@@ -86,12 +93,16 @@ def run_arm(name: str, objective: str, args, bootstrap_dir: Path, out: Path) -> 
     run_dir = out / name
     shutil.rmtree(run_dir, ignore_errors=True)
     overrides = [f"trainer.objective={objective}", f"trainer.lr={args.lr}", "trainer.warmup_ratio=0.0",
+                 f"trainer.seed={args.seed}",
                  f"trainer.sequences_per_step={args.sequences_per_step}",
                  f"trainer.anchors_per_sequence={args.anchors}", f"online.max_steps={args.steps}",
                  "online.min_records=4", "online.checkpoint_every=1000", "online.duty_cycle=1",
                  f"gate.every_steps={args.gate_every}", "gate.min_records=6", "gate.held_out_fraction=0.15",
                  "gate.max_records=32", "gate.max_blocks_per_record=32", "serve.live_check_drafts=300",
-                 "serve.stats_poll_s=2", "serve.reload_poll_s=2", f"bootstrap.output_dir={bootstrap_dir}"]
+                 "serve.stats_poll_s=2", "serve.reload_poll_s=2", f"bootstrap.output_dir={bootstrap_dir}",
+                 f"serve.speculation={args.speculation}"]
+    if args.capture_features:
+        overrides += ["capture.teacher_top_k=32", "capture.hidden_sample_rate=1.0"]
     server = ServerProcess(run_dir, args.config, *[x for o in overrides for x in ("-o", o)],
                            "--max-num-seqs", "8", token="domain-shift")
     stop = threading.Event()
@@ -100,6 +111,7 @@ def run_arm(name: str, objective: str, args, bootstrap_dir: Path, out: Path) -> 
     try:
         server.wait_ready()
         t0 = time.time()
+        start_metrics = server.metrics()
         scraper = threading.Thread(target=scrape_loop, args=(server.url, run_dir / "scrapes.jsonl", 5.0),
                                    kwargs={"stop": stop}, daemon=True)
         scraper.start()
@@ -125,6 +137,7 @@ def run_arm(name: str, objective: str, args, bootstrap_dir: Path, out: Path) -> 
                 time.sleep(20)  # let the reloader pick up a last promotion
                 break
         final_metrics = server.metrics()
+        t_end = time.time()
         stop.set()
         sender.join(600)
     finally:
@@ -132,12 +145,29 @@ def run_arm(name: str, objective: str, args, bootstrap_dir: Path, out: Path) -> 
         server.stop()
     registry = DrafterRegistry(run_dir / "registry")
     history = registry.history()
-    return {"name": name, "objective": objective, "run_dir": str(run_dir), "t0": t0,
-            "wall_s": time.time() - t0, "trainer_steps": steps,
+    return {"name": name, "objective": objective, "keep_up": keep_up(start_metrics, final_metrics, t_end - t0),
+            "run_dir": str(run_dir), "t0": t0, "wall_s": t_end - t0, "trainer_steps": steps,
             "trainer_step_seconds": final_metrics.get("online_opd_trainer_step_seconds_total"), "history": history, "final_metrics": {
                 k: v for k, v in final_metrics.items() if k.startswith(("online_opd_", "vllm:spec_decode"))},
             "requests_failed": sum(s.get("requests_failed", 0) for s in loads),
             "requests_ok": sum(s.get("requests_ok", 0) for s in loads), "registry": registry}
+
+
+def keep_up(start: dict, end: dict, wall_s: float) -> dict:
+    """Served and trained tokens per second between two /metrics samples ``wall_s`` apart."""
+    def delta(key: str) -> float:
+        return end.get(key, 0.0) - start.get(key, 0.0)
+
+    served, trained = delta("vllm:generation_tokens_total"), delta("online_opd_trainer_trained_tokens_total")
+    train_s = delta("online_opd_trainer_step_seconds_total")
+    return {"served_tokens_per_s": round(served / wall_s, 3), "trained_tokens_per_s": round(trained / wall_s, 3),
+            "keep_up": round(trained / served, 4) if served > 0 else None,
+            "trained_tokens_per_trainer_s": round(trained / train_s, 3) if train_s > 0 else None,
+            "trainer_busy_share": round(train_s / wall_s, 4),
+            "served_blocks": delta("vllm:spec_decode_num_drafts_total"),
+            "hidden_records": delta("online_opd_hidden_records_captured_total"),
+            "first_position_acceptance_seen_by_trainer": end.get("online_opd_trainer_first_position_acceptance"),
+            "objective_switches": delta("online_opd_trainer_objective_switches_total")}
 
 
 def timeline(arm: dict, tau_of) -> list[dict]:
@@ -163,7 +193,10 @@ def plot(static_tau: float, arms: list[dict], out: Path) -> None:
     fig, ax = plt.subplots(figsize=(8, 4.5))
     end = max(a["wall_s"] for a in arms) if arms else 1.0
     ax.hlines(static_tau, 0, end / 60, colors="grey", linestyles="--", label="(a) static bootstrap")
-    for arm, label in zip(arms, ["(b) online target-rollout KL", "(c) online Draft-OPD"]):
+    labels = {"target_rollout": "online target-rollout KL", "draft_opd": "online Draft-OPD",
+              "auto": "online auto (objective from live acceptance)"}
+    for arm in arms:
+        label = labels.get(arm["objective"], f"online {arm['objective']}")
         xs, ys = [], []
         for p in arm["timeline"]:
             xs.append(p["t"] / 60)
@@ -193,7 +226,14 @@ def main() -> int:
     p.add_argument("--anchors", type=int, default=16)
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--eval-prompts", type=int, default=32)
-    p.add_argument("--arms", default="target_rollout,draft_opd")
+    p.add_argument("--arms", default="target_rollout,draft_opd",
+                   help="comma-separated trainer.objective values, one online arm each (auto too)")
+    p.add_argument("--seed", type=int, default=0, help="trainer.seed of every online arm")
+    p.add_argument("--speculation", default="always", choices=["always", "auto"],
+                   help="serve.speculation: always = a block at every step, every verified block learnable "
+                        "(the most the trainer has to keep up with); auto = the product's policy")
+    p.add_argument("--capture-features", action="store_true",
+                   help="capture the verifier's top-32 and the target's features for every request")
     args = p.parse_args()
     logging.basicConfig(level=logging.INFO, stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -218,7 +258,9 @@ def main() -> int:
         logger.info("%s done: %s", arm["name"], [(round(p["t"]), p["version"], round(p["tau_held_out"], 4))
                                                  for p in arm["timeline"]])
     plot(static_tau, arms, args.out / "domain_shift.png")
-    result = {"held_out_prompts": len(rollouts), "max_tokens": args.max_tokens,
+    result = {"command": " ".join(sys.argv), "seed": args.seed, "capture_features": args.capture_features,
+              "speculation": args.speculation,
+              "held_out_prompts": len(rollouts), "max_tokens": args.max_tokens,
               "static_tau": static_tau, "steps_per_arm": args.steps,
               "arms": [{k: v for k, v in a.items() if k != "history"} for a in arms],
               "final_tau": {"static": static_tau, **{a["name"]: (a["timeline"][-1]["tau_held_out"]

@@ -107,6 +107,19 @@ def test_poll_routes_records_and_drops_invalid_ones(world, tmp_path):
     assert picked <= {r.record_id for r in train}
 
 
+def test_trained_tokens_are_the_served_tokens_of_the_replayed_blocks(world, tmp_path):
+    """Every block replayed (anchors_per_sequence above any record's count): the step's trained tokens are
+    the r + 1 tokens each of the two newest records' blocks emitted."""
+    cfg = _config(fresh_fraction=1.0)
+    cfg.trainer.anchors_per_sequence = 1000
+    trainer = OnlineTrainer(cfg, **_setup(world, tmp_path))
+    trainer.poll()
+    newest = [trainer.pools.fresh[r] for r in list(trainer.pools.fresh)[-2:]]
+    stats = trainer.step()
+    assert stats["trained_tokens"] == sum(b.num_accepted + 1 for r in newest for b in r.blocks)
+    assert trainer.stats()["trained_tokens"] == stats["trained_tokens"]
+
+
 def test_step_trains_fresh_records_first(world, tmp_path):
     trainer = OnlineTrainer(_config(fresh_fraction=1.0), **_setup(world, tmp_path))
     assert trainer.step() is None  # nothing polled yet
@@ -115,6 +128,7 @@ def test_step_trains_fresh_records_first(world, tmp_path):
     before = _weights(trainer)
     stats = trainer.step()
     assert stats["step"] == 1 and stats["replayed_tokens"] > 0
+    assert 0 < stats["trained_tokens"] == trainer.stats()["trained_tokens"]
     assert all(math.isfinite(stats[k]) for k in ("loss", "loss_accepted", "loss_rejected", "grad_norm"))
     assert not any(r in trainer.pools.fresh for r in newest)  # the newest fresh records were replayed
     assert len(trainer.pools.fresh) == trainer.stats()["train_pool"] - 2

@@ -53,6 +53,8 @@ KNOWN_METRICS = {
     "online_opd_rollbacks_total",
     "online_opd_trainer_objective",
     "online_opd_trainer_first_position_acceptance",
+    "online_opd_trainer_trained_tokens_total",
+    "online_opd_trainer_fresh_records",
 }
 
 

@@ -180,6 +180,9 @@ class TrainerCollector(Collector):
         for key, name, doc in [
             ("steps", "trainer_steps", "Online trainer optimizer steps."),
             ("replayed_tokens", "trainer_replayed_tokens", "Tokens replayed (sequence + drafted blocks)."),
+            ("trained_tokens", "trainer_trained_tokens",
+             "Served tokens the trainer's steps learnt from: r + 1 per replayed block (twice if replayed "
+             "twice). Against vllm:generation_tokens_total: whether the trainer keeps up with the traffic."),
             ("train_seconds", "trainer_step_seconds", "Seconds spent in optimizer steps (replay + update)."),
             ("rest_seconds", "trainer_rest_seconds",
              "Seconds the trainer rested to keep to its duty cycle (online.duty_cycle, idle_duty_cycle)."),
@@ -202,6 +205,9 @@ class TrainerCollector(Collector):
                 loss.add_metric([part], float(stats[key]))
         yield loss
         for key, name, doc in [("train_pool", "trainer_train_records", "Records in the training window."),
+                               ("fresh_records", "trainer_fresh_records",
+                                "Records of the window no step has replayed yet: a backlog that grows while "
+                                "the trainer does not keep up."),
                                ("held_out_pool", "trainer_held_out_records", "Held-out records for the gate."),
                                ("engines_idle", "trainer_engines_idle",
                                 "1 while the trainer sees every engine it serves idle (online.idle_duty_cycle).")]:

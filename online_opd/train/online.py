@@ -92,7 +92,7 @@ from online_opd.train.state import STATE_FILE, load_state, save_state
 
 logger = logging.getLogger(__name__)
 
-_COUNTERS = ("steps", "replayed_tokens", "records_seen", "records_invalid", "records_unusable",
+_COUNTERS = ("steps", "replayed_tokens", "trained_tokens", "records_seen", "records_invalid", "records_unusable",
              "records_simulated", "gates", "promotions", "rejections", "errors", "resyncs")
 
 
@@ -219,16 +219,20 @@ class OnlineTrainer:
         except FloatingPointError as exc:  # never step into NaN weights
             raise FloatingPointError(f"{exc} at step {self.step_count + 1}") from exc
         num_tokens = replayed.num_replayed_tokens
+        # the served tokens this step learnt from, those its replayed blocks emitted (sum of r + 1): against
+        # the server's generated tokens, whether the trainer keeps up with the traffic
+        trained_tokens = replayed.block_tokens
         self.step_count += 1
         stats = {"step": self.step_count, "loss": loss, "objective": objective,
                  "loss_accepted": replayed.accepted, "loss_rejected": replayed.rejected,
-                 "replayed_tokens": num_tokens, "grad_norm": grad_norm,
+                 "replayed_tokens": num_tokens, "trained_tokens": trained_tokens, "grad_norm": grad_norm,
                  "lr": self.scheduler.get_last_lr()[0], "seconds": time.perf_counter() - start}
         with self._lock:
             self._stats.update(status="training", steps=self.step_count, step_seconds=stats["seconds"],
                                **{k: stats[k] for k in ("loss", "loss_accepted", "loss_rejected", "lr",
                                                         "grad_norm")})
             self._stats["replayed_tokens"] += num_tokens
+            self._stats["trained_tokens"] += trained_tokens
             self._stats["train_seconds"] += stats["seconds"]  # optimizer-step time (compute budget)
         if self.step_count % self.cfg.trainer.log_every == 0:
             logger.info("online step %d: loss %.4f (accepted %.4f, rejected %.4f), %d tokens, %.2fs",

@@ -126,6 +126,8 @@ class ReplayedLoss:
     accepted: float  # accepted-position term (over the global batch, pooled as the loss is)
     rejected: float  # rejected-position term (over the global batch, pooled as the loss is)
     num_replayed_tokens: int  # context tokens plus drafted positions sent through the forwards
+    num_blocks: int = 0  # blocks replayed (the global batch's, on every rank)
+    block_tokens: int = 0  # tokens the verifier emitted for those blocks: sum of r + 1
 
 
 def choose_blocks(record: SequenceRecord, anchors_per_sequence: int, generator: torch.Generator,
@@ -162,9 +164,10 @@ def replay_records(target, drafter, records: list[SequenceRecord], objective: Ca
                                 hidden=record.hidden if use_teacher else None)
         outs.append(objective(batch.target_logits, batch.draft_logits, batch.num_accepted, batch.num_drafted))
         num_tokens.append(end + sum(len(b.draft_tokens) - 1 for b in blocks))
-    if pooling == "sequence":
-        return _mean_over_records(outs, num_tokens, len(records), device)
-    return _pool_over_batch(outs, num_tokens, device)
+    out = (_mean_over_records(outs, num_tokens, len(records), device) if pooling == "sequence"
+           else _pool_over_batch(outs, num_tokens, device))
+    every = [b for blocks in chosen for b in blocks]
+    return dataclasses.replace(out, num_blocks=len(every), block_tokens=sum(b.num_accepted + 1 for b in every))
 
 
 def _mean_over_records(outs: list[DraftOPDLoss], num_tokens: list[int], num_records: int,
