@@ -58,7 +58,7 @@ from online_opd.opd.replay import (  # noqa: E402
 )
 from online_opd.traces.buffer import BufferReader  # noqa: E402
 from online_opd.traces.records import TeacherTopK  # noqa: E402
-from online_opd.train.opd import choose_blocks, objective_fn, replayable_blocks  # noqa: E402
+from online_opd.train.opd import choose_blocks, objective_fn, offline_objective, replayable_blocks  # noqa: E402
 from serve.launcher import benchmark_logging, emit_result  # noqa: E402
 from serve.pipeline import load_serving_drafter, resolve_target  # noqa: E402
 
@@ -124,12 +124,13 @@ def main() -> None:
     cfg = load_config(args.config)
     torch.manual_seed(args.seed)
     drafter, target = load_serving_drafter(args.drafter, resolve_target(cfg))
-    block_size, objective = drafter.cfg.block_size, objective_fn(cfg.trainer)
+    block_size = drafter.cfg.block_size
     records = select(BufferReader(args.buffer), block_size, args.records, args.features)
     if not records:
         raise SystemExit(f"{args.buffer}: no record whose replayable blocks carry a teacher "
                          "(capture with -o capture.teacher_top_k=N" +
                          (" -o capture.hidden_sample_rate=F)" if args.features else ")"))
+    objective = objective_fn(cfg.trainer, offline_objective(cfg.trainer, records, block_size))  # auto: one choice
     generator = torch.Generator().manual_seed(args.seed)
     work = []  # (tokens, blocks, trained tokens) per record, the blocks drawn as a step draws them
     for record in records:

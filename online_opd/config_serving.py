@@ -218,6 +218,10 @@ class GateConfig(StrictModel):
     confidence: float = Field(0.9, gt=0.5, lt=1, description="One-sided confidence of that lower bound.")
     max_blocks_per_record: int = Field(64, ge=1, description="Anchors simulated per held-out record (cap).")
     max_records: int = Field(64, ge=1, description="Most recent held-out records evaluated, at most.")
+    captured_features: bool = Field(
+        True, description="Give both drafters the target features a record carries (capture.hidden_sample_rate) "
+                          "instead of a target forward over its context: the features the served drafter saw. "
+                          "false: always recompute them.")
 
     @model_validator(mode="after")
     def _can_pass(self) -> GateConfig:

@@ -53,8 +53,9 @@ class TrainerConfig(StrictModel):
     """Distillation objective, optimiser and loop of the drafter trainer."""
 
     objective: Literal["sft", "draft_opd", "all_forward", "all_reverse", "target_rollout", "auto"] = Field(
-        "draft_opd", description="Training objective: Draft-OPD, its ablations, DFlash-style SFT, or auto "
-                                 "(chosen from live acceptance between trainer.auto.weak and strong).")
+        "auto", description="Training objective: auto (chosen from live acceptance between trainer.auto.weak "
+                            "and strong: target-rollout KL, then Draft-OPD), Draft-OPD, its ablations, or "
+                            "DFlash-style SFT.")
     auto: AutoObjectiveConfig = Field(
         default_factory=AutoObjectiveConfig, description="The objective schedule of objective: auto.")
     lr: float = Field(3e-4, gt=0, description="Peak AdamW learning rate.")

@@ -24,7 +24,7 @@ from online_opd.release.gate import (
     split_held_out,
     walk_blocks,
 )
-from online_opd.traces.records import SequenceRecord, check_fidelity
+from online_opd.traces.records import SequenceRecord, TargetHidden, check_fidelity
 from online_opd.train.loop import train
 from online_opd.train.sequences import TrainSequence, compute_aux_hidden
 from online_opd.train.sft import sample_anchors, sft_loss
@@ -303,3 +303,60 @@ def test_split_held_out_partitions(records):
     assert sorted(r.record_id for r in train_part + held) == sorted(r.record_id for r in records)
     assert all(is_held_out(r, 0.5, SPLIT_PREFIX) for r in held)
     assert not any(is_held_out(r, 0.5, SPLIT_PREFIX) for r in train_part)
+
+
+def _with_features(target, drafter, record, rows=None, start=0):
+    """The record carrying the target's features at the drafter's layers (float32, as recomputed), or
+    ``rows`` instead, for positions ``start`` .. T - 2, as capture.hidden_sample_rate stores them."""
+    tokens = torch.tensor(record.tokens)
+    if rows is None:
+        rows = target.forward(tokens, tuple(drafter.target_layer_ids), logits_at=tokens[:0]).aux_hidden[:-1]
+    return dataclasses.replace(record, hidden=TargetHidden.from_tensor(start, rows[start:]))
+
+
+def test_the_gate_reads_captured_features_and_they_decide_the_drafters_context(target, serving, trained, records):
+    """With the features the target computes, the gate's figures equal the recomputed ones, also with a
+    prefix-cache hit (rows from position 3 on: the forward covers 0-2); with wrong rows (zeros) they
+    change, so the rows are what the drafters read; captured_features=false ignores them."""
+    exact = [_with_features(target, serving, r) for r in records]
+    from_three = [_with_features(target, serving, r, start=3) for r in records]
+    zeros = [_with_features(target, serving, r, rows=torch.zeros(len(r.tokens) - 1, 2 * target.hidden_size))
+             for r in records]
+    base = evaluate_gate(target, trained, serving, records, GateConfig())
+    for variant in (exact, from_three):
+        result = evaluate_gate(target, trained, serving, variant, GateConfig())
+        assert (result.tau_candidate, result.tau_serving, result.n_blocks) == pytest.approx(
+            (base.tau_candidate, base.tau_serving, base.n_blocks), abs=1e-9)
+    wrong = evaluate_gate(target, trained, serving, zeros, GateConfig())
+    assert wrong.tau_candidate != pytest.approx(base.tau_candidate, abs=1e-6)
+    ignored = evaluate_gate(target, trained, serving, zeros, GateConfig(captured_features=False))
+    assert (ignored.tau_candidate, ignored.tau_serving) == (base.tau_candidate, base.tau_serving)
+
+
+def test_greedy_records_are_verified_from_their_own_tokens(target, serving, trained, records):
+    """At T = 0 the gate reads r off the record's tokens (no target forward): equal to the target's
+    greedy verification for every block inside the record, for the trained drafter, the serving one
+    (its logged r) and the oracle; a block reaching past the last token is cut there."""
+    oracle = GreedyOracle(target, K)
+    inside = cut = 0
+    for record in records[:4]:
+        anchors = [b.anchor for b in record.blocks]
+        verified, drafts = simulate_record(target, (trained, serving, oracle), record, anchors)
+        read, same_drafts = simulate_record(target, (trained, serving, oracle), record, anchors,
+                                            greedy_from_tokens=True)
+        assert all(torch.equal(a, b) for a, b in zip(drafts, same_drafts))
+        assert read[1].tolist() == [float(b.num_accepted) for b in record.blocks]
+        for m, a in enumerate(anchors):
+            room = len(record.tokens) - 1 - a  # tokens after the anchor
+            if room >= K:
+                inside += 1
+                assert torch.equal(read[:, m], verified[:, m])
+            else:
+                cut += 1
+                assert bool((read[:, m] <= verified[:, m]).all()) and float(read[2, m]) == room
+        assert read[2].tolist() == [float(min(K, len(record.tokens) - 1 - a)) for a in anchors]
+    assert inside > 20 and cut >= 1
+    with_forward = evaluate_gate(target, trained, serving, [dataclasses.replace(r, temperature=1e-9) for r in records],
+                                 GateConfig())  # > 0: verified by the target forward
+    result = evaluate_gate(target, trained, serving, records, GateConfig())
+    assert result.passed == with_forward.passed and result.n_blocks == with_forward.n_blocks

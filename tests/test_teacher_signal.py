@@ -379,7 +379,7 @@ def test_a_training_step_replays_the_captured_teacher_unless_told_not_to(target,
                               top_k=0, tokens=tuple(tokens.tolist()), prompt_len=len(PROMPT), blocks=tuple(blocks))
 
     def loss(blocks, use_teacher):
-        out = replay_records(target, drafter, [record(blocks)], objective_fn(TrainerConfig()),
+        out = replay_records(target, drafter, [record(blocks)], objective_fn(TrainerConfig(objective="draft_opd")),
                              anchors_per_sequence=len(blocks), generator=torch.Generator().manual_seed(0),
                              use_teacher=use_teacher)
         return float(out.loss.detach())

@@ -30,7 +30,10 @@ blocks of the serving drafter's own greedy walk a -> a + r + 1 over the
 record (``walk_blocks``, rollout.py), the anchors that serving it would have
 logged (exactly at T = 0; an exact sample at T > 0), each K_d long.
 
-Cost per record: one target forward for the drafters' context features, one
+Cost per record: one target forward for the drafters' context features (none
+for a record that carries them, ``gate.captured_features``: the served target's
+rows, bfloat16 where it serves in bfloat16; a forward over the prompt positions
+a prefix-cache hit left out of them), one
 batched ``propose`` per drafter (per distinct block length), and one packed
 target forward (replay.py) over the sequence plus the union of both
 drafters' distinct blocks; a record without blocks adds the walk (one target
@@ -75,7 +78,7 @@ from tqdm.auto import tqdm
 
 from online_opd.config import GateConfig
 from online_opd.models.target_model import TargetModel
-from online_opd.opd.replay import packed_target_forward
+from online_opd.opd.replay import packed_target_forward, sequence_aux
 from online_opd.opd.rollout import propose_all, simulated_record
 from online_opd.opd.specdec import processed_probs
 from online_opd.traces.records import BlockRecord, SequenceRecord, acceptance_length
@@ -206,6 +209,9 @@ def simulate_record(
     record: SequenceRecord,
     anchors: Sequence[int],
     lengths: Sequence[int] | None = None,
+    *,
+    captured_features: bool = True,
+    greedy_from_tokens: bool = False,
 ) -> tuple[torch.Tensor, list[torch.Tensor]]:
     """(E[r] [len(drafters), M], each drafter's proposals [M, K_d]) at `anchors`.
 
@@ -217,7 +223,11 @@ def simulate_record(
     different K: features are captured once at the union of their layers,
     and blocks are padded to the longest K (a block's rows are causal, so
     padding never changes the rows that are read). Identical (anchor, block)
-    pairs are verified once.
+    pairs are verified once. ``captured_features``: the drafters' context features come from the
+    record's captured ones (``SequenceRecord.hidden``) where they cover it (``replay.sequence_aux``).
+    ``greedy_from_tokens`` (for a T = 0 record whose tokens are the target's greedy output, as every
+    served one is: speculative decoding is lossless): no target forward verifies the blocks; E[r] is
+    the number of leading drafted tokens equal to the record's own next tokens (``greedy_accepted``).
     """
     if not anchors:
         raise ValueError("simulate_record needs at least one anchor")
@@ -225,8 +235,10 @@ def simulate_record(
     tokens = torch.tensor(record.tokens[: max(anchors) + 1], dtype=torch.int64, device=device)
     anchor_t = torch.tensor(anchors, dtype=torch.int64, device=device)
     layer_ids = sorted({lid for d in drafters for lid in d.target_layer_ids})
-    aux = target.forward(tokens, tuple(layer_ids), logits_at=tokens[:0]).aux_hidden  # [T, L * hidden]
+    hidden = record.hidden if captured_features else None
+    aux, _ = sequence_aux(target, tokens, tuple(layer_ids), hidden)  # [T, L * hidden]
     proposals, widths = [], []
+    full = torch.tensor(record.tokens, dtype=torch.int64, device=device) if greedy_from_tokens else None
     for drafter in drafters:
         cols = _layer_columns(layer_ids, drafter.target_layer_ids, target.hidden_size).to(device)
         seq = TrainSequence(tokens, record.prompt_len, aux[:, cols])
@@ -235,6 +247,8 @@ def simulate_record(
                              else [min(n, block_size) for n in lengths], dtype=torch.int64, device=device)
         widths.append(width)
         proposals.append(_propose_blocks(drafter, seq, anchor_t, width))
+    if full is not None:
+        return torch.stack([greedy_accepted(full, anchor_t, p, w) for p, w in zip(proposals, widths)]), proposals
     width = max(p.shape[1] for p in proposals)
     keys = torch.cat([torch.cat([anchor_t[:, None], F.pad(p, (0, width - p.shape[1]))], dim=1)
                       for p in proposals])  # [D * M, 1 + K]
@@ -245,6 +259,24 @@ def simulate_record(
     expected = torch.stack([expected_accepted(probs[inverse[i * num:(i + 1) * num], : p.shape[1]], widths[i])
                             for i, p in enumerate(proposals)])
     return expected, proposals
+
+
+def greedy_accepted(
+    tokens: torch.Tensor,  # [T] a T = 0 record's tokens: the target's greedy output
+    anchors: torch.Tensor,  # [M]
+    drafts: torch.Tensor,  # [M, K] greedy blocks, zero-padded beyond each block's width
+    widths: torch.Tensor,  # [M] tokens drafted per block
+) -> torch.Tensor:
+    """[M] (float) r of greedy verification without a target forward: at T = 0 the target accepts d_k iff
+    it is its argmax after tokens[:a+1] + d_<k, and while d_<k were all accepted that prefix is the
+    record's own greedy continuation, so r = the number of leading k with d_k == tokens[a + k]
+    (k <= width). A position past the record's last token counts as rejected: the request ended there."""
+    K = drafts.shape[1]
+    pos = anchors[:, None] + torch.arange(1, K + 1, device=drafts.device)  # [M, K]
+    inside = pos < tokens.shape[0]
+    ref = torch.where(inside, tokens[pos.clamp(max=tokens.shape[0] - 1)], torch.full_like(pos, -1))
+    match = (drafts == ref) & (torch.arange(K, device=drafts.device) < widths[:, None])
+    return match.long().cumprod(dim=1).sum(dim=1).float()
 
 
 def paired_lower_bound(diffs: Sequence[float], confidence: float) -> tuple[float, float, float]:
@@ -294,7 +326,8 @@ def evaluate_gate(
         if not blocks:
             continue
         expected, _ = simulate_record(target, (candidate, serving), rec, [b.anchor for b in blocks],
-                                      [b.drafted_width for b in blocks])  # [2, M]
+                                      [b.drafted_width for b in blocks], captured_features=cfg.captured_features,
+                                      greedy_from_tokens=rec.temperature == 0)  # [2, M]
         expected = expected.double().cpu()
         sums = [sums[0] + float(expected[0].sum()), sums[1] + float(expected[1].sum())]
         n_blocks += len(blocks)
