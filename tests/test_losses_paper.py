@@ -109,7 +109,7 @@ def _padded(t: torch.Tensor, width: int) -> torch.Tensor:  # [M, W, vocab] -> [M
 
 def test_replay_records_pools_the_step_or_averages_its_sequences():
     target, drafter, records = _tiny_records()
-    objective = objective_fn(TrainerConfig(gamma=0.5))
+    objective = objective_fn(TrainerConfig(objective="draft_opd", gamma=0.5))
     got = {pooling: replay_records(target, drafter, records, objective, anchors_per_sequence=5,
                                    generator=torch.Generator().manual_seed(3), pooling=pooling).loss.item()
            for pooling in ("batch", "sequence")}

@@ -40,8 +40,8 @@ def _cfg(max_steps: int, objective: str = "draft_opd"):
     cfg = _config(max_steps=max_steps, num_threads=1)
     cfg.trainer.sequences_per_step = 3
     cfg.gate.every_steps = 1000  # no gate: it changes no weights and would only cost time
+    cfg.trainer.objective = objective
     if objective == "auto":  # the tiny drafter's a1 (0.037) is above up_at: all_forward from step 1 on
-        cfg.trainer.objective = "auto"
         cfg.trainer.auto = AutoObjectiveConfig(strong="all_forward", up_at=0.02, down_at=0.0, min_blocks=32,
                                                window_blocks=4096, min_steps_between_switches=0)
     return cfg
