@@ -113,6 +113,10 @@ def test_state_round_trips_through_json_and_refuses_other_objectives():
     assert again.switches == schedule.switches
     with pytest.raises(ValueError, match="neither"):
         _schedule(weak="all_forward").load_state_dict(state | {"current": "target_rollout"})
+    before = again.state_dict()
+    with pytest.raises(TypeError):  # a torn switch entry: nothing is half-loaded
+        again.load_state_dict(state | {"current": "target_rollout", "switches": [{"step": 1}]})
+    assert again.state_dict() == before
 
 
 @pytest.mark.parametrize("kw, match", [

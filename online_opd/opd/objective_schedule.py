@@ -127,7 +127,8 @@ class ObjectiveSchedule:
         current = state.get("current", self.weak)
         if current not in self.objectives:
             raise ValueError(f"saved objective {current!r} is neither {self.weak!r} nor {self.strong!r}")
-        self.current = current
-        self.switches = [Switch(**s) for s in state.get("switches", [])]
+        switches = [Switch(**s) for s in state.get("switches", [])]  # all checked before anything changes
+        window = [bool(x) for x in state.get("first_accepted", [])]
+        self.current, self.switches = current, switches
         self._first_accepted.clear()
-        self._first_accepted.extend(bool(x) for x in state.get("first_accepted", []))
+        self._first_accepted.extend(window)

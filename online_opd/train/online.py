@@ -125,6 +125,7 @@ class OnlineTrainer:
         self.optimizer, self.scheduler = self._new_optimizer()
         self.schedule = objective_schedule(tcfg)  # None: the fixed trainer.objective
         self._objectives: dict[str, Callable] = {}
+        self._logged_switches = 0
         self.generator = torch.Generator().manual_seed(tcfg.seed)
         self.pools = RecordPools(cfg, buffer_dir)
         self.step_count = 0
@@ -167,11 +168,11 @@ class OnlineTrainer:
         with self._lock:
             self._stats["objective"] = name
             self._stats["objective_switches"] = len(self.schedule.switches)
-        switch = self.schedule.switches[-1] if self.schedule.switches else None
-        if switch is not None and switch.step == self.step_count + 1 and switch.after == name:
+        for switch in self.schedule.switches[self._logged_switches:]:  # each once (rank 0 asks twice a step)
             logger.info("online trainer: objective %s -> %s at step %d (position-1 acceptance %.3f over %d "
                         "blocks)", switch.before, switch.after, switch.step, switch.first_position_acceptance,
                         switch.num_blocks)
+        self._logged_switches = len(self.schedule.switches)
         return name
 
     def objective(self, name: str) -> Callable:
@@ -360,6 +361,7 @@ class OnlineTrainer:
         if state is None:
             for record in records:
                 self.schedule.observe(b.num_accepted for b in replayable_blocks(record, self.block_size))
+        self._logged_switches = len(self.schedule.switches)  # logged by the run that made them
         with self._lock:
             self._stats.update(objective=self.schedule.current, objective_switches=len(self.schedule.switches),
                                first_position_acceptance=self.schedule.first_position_acceptance())
