@@ -161,6 +161,53 @@ def test_capture_keeps_each_requests_rows_for_its_record(tmp_path):
     assert [r.hidden for r in BufferReader(tmp_path / "off").iter_records()] == [None]
 
 
+WRAPPED = r"""
+import functools, sys
+import torch
+from vllm.v1.spec_decode.dflash import DFlashProposer
+from vllm_patches import capture_features, dflash_context
+
+@functools.wraps(DFlashProposer.propose)
+def vllm_propose(self, *args, **kwargs):  # vLLM's signature; stands in for its GPU/CPU drafting pass
+    return "drafted"
+
+class Cap:
+    proposing = None
+    contexts = []
+    class settings:
+        hidden_sample_rate = 1.0
+    def on_context(self, req_ids, positions, bounds, hidden):
+        self.contexts.append((req_ids, positions.tolist(), bounds.tolist(), hidden.shape))
+    def error(self, where, exc):
+        raise exc
+
+class Meta:
+    query_start_loc_cpu = torch.tensor([0, 3])
+
+DFlashProposer.propose = vllm_propose
+cap = Cap()
+for name in sys.argv[1].split(","):
+    dflash_context.install() if name == "context" else capture_features.install(cap, lambda runner: True)
+cap.proposing = ["r"]
+out = DFlashProposer.propose(object(), 4, torch.zeros(3, dtype=torch.long), torch.arange(3), torch.zeros(3, 8),
+                             torch.zeros(1, dtype=torch.long), None, Meta(), None)
+assert out == "drafted" and cap.contexts == [(["r"], [0, 1, 2], [0, 3], (3, 8))], (out, cap.contexts)
+"""
+
+
+@pytest.mark.parametrize("order", ["context,features", "features,context"])
+def test_features_hook_reads_the_drafts_arguments_under_the_k0_wrapper(order):
+    """``--speculation auto`` wraps ``DFlashProposer.propose`` too (dflash_context.py, K = 0 steps); whichever
+    wrapper comes second must still bind vLLM's arguments by name (a run of benchmarks/domain_shift.py with
+    both lost every record's features: KeyError 'target_positions' in each step). vLLM's classes are real;
+    the drafting pass itself is replaced by a function of its signature (it needs a loaded drafter)."""
+    import subprocess
+    import sys
+
+    proc = subprocess.run([sys.executable, "-c", WRAPPED, order], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+
+
 # ---------------------------------------------------------------- replay from the captured features
 
 

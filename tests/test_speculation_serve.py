@@ -10,7 +10,9 @@ torch drafter's greedy block at its anchor (the drafter's context K/V of the
 K = 0 steps were kept, deferred and flushed in batches before each drafting
 step and each finished request: vllm_patches/dflash_context.py), also the
 blocks of a request whose prompt hit two cached KV blocks (their drafter context
-was stored by an earlier request).
+was stored by an earlier request). The target's features are captured
+(capture.hidden_sample_rate) through both wrappers of the drafting call and
+equal the target's own rows.
 """
 
 from __future__ import annotations
@@ -39,7 +41,8 @@ def server(trained_run, tmp_path_factory):
     random_path = save_drafter(random_drafter(trained_run), root / "random", version="random")
     with running(root / "serve", "--drafter", str(random_path), "--speculation", "auto",
                  "-o", "serve.policy_interval_s=1", "-o", "serve.policy_explore_share=0.05",
-                 "-o", "serve.policy_min_drafts=8") as srv:
+                 "-o", "serve.policy_min_drafts=8", "-o", "capture.teacher_top_k=8",
+                 "-o", "capture.hidden_sample_rate=1") as srv:
         yield srv
 
 
@@ -123,14 +126,20 @@ def assert_drafted_blocks_match_the_torch_drafter(server: Server, trained_run) -
     drafter = load_drafter(trained_run / "drafter")
     target = TargetModel.from_pretrained(ensure_embedded_target(progress=False), dtype=torch.float32)
     drafter.attach_target(target.embed_weight, target.lm_head_weight)
-    total = mismatched = 0
+    total = mismatched = with_features = 0
     lengths = set()
     for rec in records:
         blocks = [b for b in rec.blocks if b.drafter_version == "drafter" and b.is_context_pure]
-        if not blocks:
+        if not blocks and rec.hidden is None:
             continue
         tokens = torch.tensor(rec.tokens)
         feats = target.forward(tokens, layer_ids=drafter.target_layer_ids, logits_at=tokens[:0]).aux_hidden
+        if rec.hidden is not None:  # the features captured through the K = 0 wrapper: the target's own rows
+            with_features += 1
+            reference = feats[rec.hidden.start:len(tokens) - 1]
+            rows = rec.hidden.to_tensor().float()
+            assert rows.shape == reference.shape, (rec.hidden.start, rows.shape, reference.shape)
+            assert float(((rows - reference).abs() / reference.abs().clamp(min=1.0)).max()) < 1e-3
         seq = TrainSequence(tokens, rec.prompt_len, feats)
         for block in blocks:
             width = len(block.draft_tokens)
@@ -140,3 +149,7 @@ def assert_drafted_blocks_match_the_torch_drafter(server: Server, trained_run) -
             mismatched += list(block.draft_tokens) != mine
     assert total > 50 and len(lengths) > 1, (total, lengths)
     assert mismatched == 0, f"{mismatched}/{total} blocks differ between vLLM and the torch drafter"
+    metrics = server.metrics()
+    assert metrics["online_opd_capture_errors_total"] == 0, server.tail()
+    assert metrics["online_opd_hidden_records_captured_total"] >= with_features >= 0.8 * len(records), (
+        with_features, len(records))

@@ -69,7 +69,12 @@ def install(cap: Any, enabled: Any) -> None:
     from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
     orig_propose, orig_propose_ids = DFlashProposer.propose, GPUModelRunner.propose_draft_token_ids
-    signature = inspect.signature(orig_propose)
+    signature = inspect.signature(orig_propose)  # vLLM's, through any functools.wraps wrapper
+    if not {"target_positions", "target_hidden_states", "common_attn_metadata"} <= set(signature.parameters):
+        logger.error("online-opd capture keeps no target features: DFlashProposer.propose%s does not name "
+                     "target_positions, target_hidden_states and common_attn_metadata (a wrapper installed "
+                     "before this one must keep vLLM's signature: functools.wraps)", signature)
+        return
 
     def propose_draft_token_ids(self, *args, **kwargs):
         cap.proposing = list(self.input_batch.req_ids) if enabled(self) else None

@@ -42,6 +42,7 @@ and decode passes.
 
 from __future__ import annotations
 
+import functools
 import inspect
 import logging
 from typing import Any
@@ -164,6 +165,7 @@ def install() -> None:
         return
     signature = inspect.signature(orig)
 
+    @functools.wraps(orig)  # later wrappers (vllm_patches/capture_features.py) read vLLM's signature through it
     def propose(self, *args, **kwargs):
         call = signature.bind(self, *args, **kwargs).arguments
         positions = call["target_positions"]
