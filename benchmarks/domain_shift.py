@@ -261,7 +261,7 @@ def main() -> int:
     result = {"command": " ".join(sys.argv), "seed": args.seed, "capture_features": args.capture_features,
               "speculation": args.speculation,
               "held_out_prompts": len(rollouts), "max_tokens": args.max_tokens,
-              "static_tau": static_tau, "steps_per_arm": args.steps,
+              "static_tau": static_tau, "steps_per_arm": args.steps, "minutes_per_arm": args.minutes,
               "arms": [{k: v for k, v in a.items() if k != "history"} for a in arms],
               "final_tau": {"static": static_tau, **{a["name"]: (a["timeline"][-1]["tau_held_out"]
                                                                   if a["timeline"] else static_tau)

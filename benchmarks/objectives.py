@@ -32,8 +32,8 @@ import sys
 from pathlib import Path
 
 import torch
-from offline_opd_vs_sft import run_arm, sft_step_fn  # sibling script: benchmarks/ leads sys.path
-from scipy import stats
+from intervals import t_interval  # sibling modules: benchmarks/ leads sys.path
+from offline_opd_vs_sft import run_arm, sft_step_fn
 
 from online_opd.config import apply_overrides, load_config
 from online_opd.models.target_model import TargetModel
@@ -87,16 +87,6 @@ def score(drafter, sequences) -> dict:
     per_position = [sum(b.num_accepted >= k for b in blocks) / max(len(blocks), 1) for k in range(1, width + 1)]
     return {"tau": round(pooled_acceptance_length([blocks]), 4), "num_blocks": len(blocks),
             "acceptance_rate_per_position": [round(a, 4) for a in per_position]}
-
-
-def t_interval(values: list[float], confidence: float = 0.95) -> dict:
-    """Mean with its two-sided Student-t interval over `values` (None bounds with fewer than 2)."""
-    mean = statistics.fmean(values)
-    if len(values) < 2:
-        return {"mean": round(mean, 4), "ci95": None, "n": len(values)}
-    sem = statistics.stdev(values) / len(values) ** 0.5
-    low, high = stats.t.interval(confidence, len(values) - 1, loc=mean, scale=sem) if sem > 0 else (mean, mean)
-    return {"mean": round(mean, 4), "ci95": [round(float(low), 4), round(float(high), 4)], "n": len(values)}
 
 
 def step_fn_maker(arm: str, records, sequences):

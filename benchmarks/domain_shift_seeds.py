@@ -1,0 +1,102 @@
+"""Domain-shift arms over seeds: the held-out tau each arm ends on, with 95% intervals and paired differences.
+
+Reads `domain_shift.json` files written by benchmarks/domain_shift.py, one or more per seed (an arm's runs
+may be split over several invocations, e.g. `--arms auto --seed 1` and `--arms target_rollout,draft_opd
+--seed 1`). Runs are compared only when they share the held-out set and the static drafter's tau (same
+bootstrap, same prompts), the minutes per arm, the speculation mode and feature capture; anything else is
+refused with the differing setting named. Per arm: the held-out tau of the version serving at the end of
+each seed's run (its last promotion or rollback), its ratio to the static drafter, mean and Student-t 95%
+interval over seeds, trainer steps and keep-up (trained / served tokens per second); per pair of arms:
+the paired difference on the seeds both ran. Prints JSON.
+
+    python benchmarks/domain_shift_seeds.py runs/ds-s*/domain_shift.json \\
+        --json-out benchmarks/results/domain_shift_seeds.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import re
+import sys
+from pathlib import Path
+
+from intervals import t_interval  # sibling module: benchmarks/ leads sys.path
+
+SHARED = ("static_tau", "held_out_prompts", "max_tokens", "speculation", "capture_features", "minutes_per_arm")
+
+
+def settings(run: dict) -> dict:
+    """The settings two runs must share; minutes per arm read from the command for runs that predate the
+    `minutes_per_arm` field (the script's default then: 14)."""
+    out = {k: run.get(k) for k in SHARED}
+    if out["minutes_per_arm"] is None:
+        found = re.search(r"--minutes[ =](\S+)", run.get("command") or "")
+        out["minutes_per_arm"] = float(found.group(1)) if found else 14.0
+    out["static_tau"] = round(float(out["static_tau"]), 6)
+    return out
+
+
+def collect(paths: list[Path]) -> tuple[dict, dict[str, dict[int, dict]]]:
+    """(shared settings, {arm: {seed: figures}}); refuses runs that differ or an arm seen twice at a seed."""
+    shared, arms = None, {}
+    for path in paths:
+        run = json.loads(path.read_text())
+        these = settings(run)
+        if shared is None:
+            shared = these
+        elif these != shared:
+            diff = {k: (shared[k], these[k]) for k in SHARED if shared[k] != these[k]}
+            raise SystemExit(f"{path}: not comparable with the runs before it: {diff}")
+        seed = int(run.get("seed", 0))
+        for arm in run["arms"]:
+            if seed in arms.setdefault(arm["name"], {}):
+                raise SystemExit(f"{path}: arm {arm['name']} at seed {seed} appears twice")
+            end = arm["timeline"][-1]["tau_held_out"] if arm["timeline"] else run["static_tau"]
+            keep_up = arm.get("keep_up") or {}
+            arms[arm["name"]][seed] = {"tau": float(end), "steps": arm.get("trainer_steps"),
+                                       "promotions": sum(p["event"] == "promote" for p in arm["timeline"][1:]),
+                                       "keep_up": keep_up.get("keep_up"), "source": str(path)}
+    if shared is None:
+        raise SystemExit("no runs given")
+    return shared, arms
+
+
+def summarise(shared: dict, arms: dict[str, dict[int, dict]]) -> dict:
+    static = shared["static_tau"]
+    per_arm = {}
+    for name, by_seed in sorted(arms.items()):
+        seeds = sorted(by_seed)
+        taus = [by_seed[s]["tau"] for s in seeds]
+        keep = [by_seed[s]["keep_up"] for s in seeds if by_seed[s]["keep_up"] is not None]
+        per_arm[name] = {"seeds": seeds, "tau": t_interval(taus),
+                         "ratio_to_static": t_interval([t / static for t in taus]),
+                         "per_seed": {s: by_seed[s] for s in seeds},
+                         "keep_up": t_interval(keep) if keep else None}
+    pairs = {}
+    for a, b in itertools.combinations(sorted(arms), 2):
+        common = sorted(set(arms[a]) & set(arms[b]))
+        if common:
+            diffs = [arms[a][s]["tau"] - arms[b][s]["tau"] for s in common]
+            pairs[f"{a} - {b}"] = {"seeds": common, "diff": t_interval(diffs),
+                                   "ratio": t_interval([arms[a][s]["tau"] / arms[b][s]["tau"] for s in common])}
+    return {"settings": shared, "arms": per_arm, "paired": pairs}
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("runs", nargs="+", type=Path, help="domain_shift.json files")
+    p.add_argument("--json-out", type=Path, help="also write the summary here")
+    args = p.parse_args(argv)
+    summary = summarise(*collect(args.runs))
+    text = json.dumps(summary, indent=2)
+    if args.json_out:
+        args.json_out.parent.mkdir(parents=True, exist_ok=True)
+        args.json_out.write_text(text + "\n")
+    print(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,69 @@
+"""benchmarks/domain_shift_seeds.py: the held-out tau each arm ends on, over seeds, from domain_shift.json
+files (hand-made here, in the layout benchmarks/domain_shift.py writes)."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+import domain_shift_seeds  # noqa: E402
+
+
+def run(seed: int, arms: dict[str, list[tuple[str, float]]], **settings) -> dict:
+    """A domain_shift.json: per arm its (event, held-out tau) timeline after the static start."""
+    base = {"command": "benchmarks/domain_shift.py --minutes 12", "seed": seed, "capture_features": True,
+            "speculation": "auto", "held_out_prompts": 32, "max_tokens": 128, "static_tau": 1.4,
+            "minutes_per_arm": 12.0, "steps_per_arm": 5000}
+    base.update(settings)
+    base["arms"] = [{"name": name, "objective": name, "trainer_steps": 100.0 + seed,
+                     "keep_up": {"keep_up": 1.0 + seed / 10},
+                     "timeline": [{"t": 0.0, "event": "promote", "tau_held_out": 1.4},
+                                  *({"t": 60.0 * i, "event": e, "tau_held_out": t}
+                                    for i, (e, t) in enumerate(events, 1))]}
+                    for name, events in arms.items()]
+    return base
+
+
+def write(tmp_path: Path, name: str, data: dict) -> Path:
+    path = tmp_path / f"{name}.json"
+    path.write_text(json.dumps(data))
+    return path
+
+
+def test_arms_over_seeds_end_on_their_serving_version_with_paired_differences(tmp_path):
+    paths = [write(tmp_path, "s0", run(0, {"auto": [("promote", 1.5)], "naive": [("promote", 1.45)]})),
+             write(tmp_path, "s1a", run(1, {"auto": [("promote", 1.6), ("rollback", 1.55)]})),
+             write(tmp_path, "s1b", run(1, {"naive": [("promote", 1.5)]})),
+             write(tmp_path, "s2", run(2, {"auto": []}))]  # nothing promoted: the static drafter
+    out = domain_shift_seeds.summarise(*domain_shift_seeds.collect(paths))
+    auto = out["arms"]["auto"]
+    assert auto["seeds"] == [0, 1, 2]
+    assert [auto["per_seed"][s]["tau"] for s in (0, 1, 2)] == [1.5, 1.55, 1.4]  # a rollback's version serves
+    assert [auto["per_seed"][s]["promotions"] for s in (0, 1, 2)] == [1, 1, 0]
+    assert auto["tau"]["mean"] == pytest.approx(1.4833, abs=1e-4) and auto["tau"]["n"] == 3
+    low, high = auto["tau"]["ci95"]
+    assert low < 1.4833 < high and high - low == pytest.approx(2 * 4.3027 * 0.0764 / 3 ** 0.5, rel=1e-2)
+    assert auto["ratio_to_static"]["mean"] == pytest.approx(1.4833 / 1.4, abs=1e-4)
+    assert auto["keep_up"]["mean"] == pytest.approx(1.1)
+    pair = out["paired"]["auto - naive"]
+    assert pair["seeds"] == [0, 1] and pair["diff"]["mean"] == pytest.approx(0.05)
+    assert pair["diff"]["ci95"] == [0.05, 0.05]  # the same difference at both seeds
+
+
+def test_runs_that_differ_in_a_setting_or_repeat_an_arm_are_refused(tmp_path):
+    first = write(tmp_path, "a", run(0, {"auto": [("promote", 1.5)]}))
+    other = write(tmp_path, "b", run(1, {"auto": [("promote", 1.5)]}, speculation="always"))
+    with pytest.raises(SystemExit, match="speculation"):
+        domain_shift_seeds.collect([first, other])
+    older = run(1, {"auto": []}, command="benchmarks/domain_shift.py --minutes 30")
+    del older["minutes_per_arm"]  # runs before the field: minutes from the command
+    with pytest.raises(SystemExit, match="minutes_per_arm"):
+        domain_shift_seeds.collect([first, write(tmp_path, "c", older)])
+    with pytest.raises(SystemExit, match="twice"):
+        domain_shift_seeds.collect([first, write(tmp_path, "d", run(0, {"auto": []}))])
+    with pytest.raises(SystemExit, match="no runs"):
+        domain_shift_seeds.collect([])
