@@ -3,8 +3,9 @@
 Reads `domain_shift.json` files written by benchmarks/domain_shift.py, one or more per seed (an arm's runs
 may be split over several invocations, e.g. `--arms auto --seed 1` and `--arms target_rollout,draft_opd
 --seed 1`). Runs are compared only when they share the held-out set and the static drafter's tau (same
-bootstrap, same prompts), the minutes per arm, the speculation mode and feature capture; anything else is
-refused with the differing setting named. Per arm: the held-out tau of the version serving at the end of
+bootstrap, same prompts), the minutes per arm, the speculation mode, feature capture and the source commit
+(`--allow-mixed-commits` to compare commits anyway); anything else is refused with the differing setting
+named. Per arm: the held-out tau of the version serving at the end of
 each seed's run (its last promotion or rollback), its ratio to the static drafter, mean and Student-t 95%
 interval over seeds, trainer steps and keep-up (trained / served tokens per second); per pair of arms:
 the paired difference on the seeds both ran. Prints JSON.
@@ -38,11 +39,17 @@ def settings(run: dict) -> dict:
     return out
 
 
-def collect(paths: list[Path]) -> tuple[dict, dict[str, dict[int, dict]]]:
-    """(shared settings, {arm: {seed: figures}}); refuses runs that differ or an arm seen twice at a seed."""
-    shared, arms = None, {}
+def collect(paths: list[Path], allow_mixed_commits: bool = False) -> tuple[dict, dict[str, dict[int, dict]]]:
+    """(shared settings, {arm: {seed: figures}}); refuses runs that differ, an arm seen twice at a seed, and
+    (unless ``allow_mixed_commits``) runs of different source commits (``commit``; "unknown" before it)."""
+    shared, arms, commits = None, {}, set()
     for path in paths:
         run = json.loads(path.read_text())
+        commit = run.get("commit") or "unknown"
+        commits.add(commit)
+        if len(commits) > 1 and not allow_mixed_commits:
+            raise SystemExit(f"{path}: ran on {commit}, the runs before it on {sorted(commits - {commit})}; "
+                             "--allow-mixed-commits to compare them anyway")
         these = settings(run)
         if shared is None:
             shared = these
@@ -57,10 +64,11 @@ def collect(paths: list[Path]) -> tuple[dict, dict[str, dict[int, dict]]]:
             keep_up = arm.get("keep_up") or {}
             arms[arm["name"]][seed] = {"tau": float(end), "steps": arm.get("trainer_steps"),
                                        "promotions": sum(p["event"] == "promote" for p in arm["timeline"][1:]),
-                                       "keep_up": keep_up.get("keep_up"), "source": str(path)}
+                                       "keep_up": keep_up.get("keep_up"), "source": str(path),
+                                       "commit": commit}
     if shared is None:
         raise SystemExit("no runs given")
-    return shared, arms
+    return {**shared, "commits": sorted(commits)}, arms
 
 
 def summarise(shared: dict, arms: dict[str, dict[int, dict]]) -> dict:
@@ -88,8 +96,10 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("runs", nargs="+", type=Path, help="domain_shift.json files")
     p.add_argument("--json-out", type=Path, help="also write the summary here")
+    p.add_argument("--allow-mixed-commits", action="store_true",
+                   help="compare runs made on different source commits (each seed's commit is listed)")
     args = p.parse_args(argv)
-    summary = summarise(*collect(args.runs))
+    summary = summarise(*collect(args.runs, args.allow_mixed_commits))
     text = json.dumps(summary, indent=2)
     if args.json_out:
         args.json_out.parent.mkdir(parents=True, exist_ok=True)
