@@ -247,7 +247,8 @@ class OnlineConfig(StrictModel):
         description="A train record whose logged blocks produced less than this share of its output tokens "
                     "(served mostly without speculation, or with blocks longer than the drafter's K) is "
                     "replayed on the blocks the current drafter would have drafted over it "
-                    "(online_opd/opd/rollout.py simulated_record; one more target forward). 0 = never: "
+                    "(online_opd/opd/rollout.py simulated_record; one more target forward, none for a record "
+                    "with captured features). 0 = never: "
                     "such records train on their logged blocks only; 1 = whenever a decode step did not "
                     "speculate.")
     poll_s: float = Field(2.0, gt=0, description="Seconds between buffer tails (and the wait when idle).")

@@ -80,7 +80,9 @@ class TrainerConfig(StrictModel):
     captured_teacher: bool = Field(
         True, description="Replay a block with the verifier's top-k log-probabilities where its record carries "
                            "them (capture.teacher_top_k): no target forward over its drafted positions, the "
-                           "tail mass spread over the rest of the vocabulary. false: always recompute.")
+                           "tail mass spread over the rest of the vocabulary; and the drafter's context from "
+                           "the record's captured features (capture.hidden_sample_rate) in replay and in "
+                           "simulated blocks. false: always recompute.")
     sft_position_decay: float = Field(
         7.0, gt=0, description="SFT cross-entropy weight exp(-(k-1)/decay) (DFlash).")
     num_threads: int | None = Field(None, ge=1, description="torch CPU threads; null = torch's default.")

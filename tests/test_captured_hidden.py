@@ -15,6 +15,7 @@ import torch
 
 from online_opd.opd.losses import draft_opd_loss
 from online_opd.opd.replay import replay_sequence, sequence_aux, top_k_teacher
+from online_opd.opd.rollout import simulated_record
 from online_opd.opd.specdec import target_generate
 from online_opd.traces.buffer import SEGMENT_SCHEMA, BufferReader, decode_segment, encode_segment
 from online_opd.traces.records import BlockRecord, SequenceRecord, TargetHidden
@@ -265,3 +266,25 @@ def test_training_steps_use_the_records_features_or_ignore_them(target, drafter,
 
     assert step(rec, True) == pytest.approx(step(record, True), rel=1e-4, abs=1e-5)
     assert step(rec, False) == step(record, False)
+
+
+def test_simulated_blocks_use_the_records_features(target, drafter, record, monkeypatch):
+    """A record replayed on simulated blocks (rollout.simulated_record, served without speculation) takes the
+    drafter's context from its captured features: the same blocks as with the target's forward, and the
+    target runs over no token (from position 0) or over the positions before the rows (from position 5);
+    ``captured_features=False`` and unusable rows run the forward over the T - 1 positions the walk reads."""
+    tokens = torch.tensor(record.tokens)
+    aux = features(target, drafter, tokens)
+    plain = dataclasses.replace(record, blocks=())
+    reference = simulated_record(target, drafter, plain).blocks
+    assert len(reference) >= 3
+    ran_over = []
+    forward = target.forward
+    monkeypatch.setattr(target, "forward", lambda toks, *a, **k: ran_over.append(len(toks)) or forward(toks, *a, **k))
+    cases = [(TargetHidden.from_tensor(0, aux[:-1]), True, []), (TargetHidden.from_tensor(5, aux[5:-1]), True, [5]),
+             (TargetHidden.from_tensor(0, aux[:-1]), False, [len(tokens) - 1]),
+             (TargetHidden.from_tensor(0, aux[:-2]), True, [len(tokens) - 1])]  # stops short: not used
+    for hidden, use, expected in cases:
+        ran_over.clear()
+        blocks = simulated_record(target, drafter, dataclasses.replace(plain, hidden=hidden), use).blocks
+        assert blocks == reference and ran_over == expected, (hidden.start, use, ran_over)

@@ -35,6 +35,7 @@ import math
 
 import torch
 
+from online_opd.opd.replay import sequence_aux
 from online_opd.traces.records import BlockRecord, SequenceRecord, acceptance_length
 from online_opd.train.sequences import TrainSequence
 
@@ -81,14 +82,19 @@ def is_settled(block: BlockRecord, num_tokens: int) -> bool:
 
 
 @torch.no_grad()
-def simulated_record(target, drafter, record: SequenceRecord) -> SequenceRecord:
+def simulated_record(target, drafter, record: SequenceRecord, captured_features: bool = True) -> SequenceRecord:
     """`record` with the blocks greedy speculative decoding with `drafter` would have logged over its
-    tokens (module docstring: exact at T = 0, an exact sample at T > 0), from one target forward for
-    the features and one batched drafter forward. A block whose outcome runs past the end of the
-    record (``is_settled``) is left out: the record cannot tell whether it would have been accepted."""
+    tokens (module docstring: exact at T = 0, an exact sample at T > 0), from the target's features and
+    one batched drafter forward. The features: with ``captured_features``, the record's own
+    (``SequenceRecord.hidden``, the rows vLLM handed the serving drafter) where they cover it, the target
+    running only over the positions before them (``replay.sequence_aux``); else one target forward. A
+    block whose outcome runs past the end of the record (``is_settled``) is left out: the record cannot
+    tell whether it would have been accepted."""
     device = target.embed_weight.device
     tokens = torch.tensor(record.tokens, dtype=torch.int64, device=device)
-    aux = target.forward(tokens, tuple(drafter.target_layer_ids), logits_at=tokens[:0]).aux_hidden
+    hidden = record.hidden if captured_features else None
+    # positions 0 .. T - 2: the walk's last anchor is T - 2 and reads the features before it (propose_all)
+    aux, _ = sequence_aux(target, tokens[:-1], tuple(drafter.target_layer_ids), hidden)
     blocks = greedy_blocks(drafter, TrainSequence(tokens, record.prompt_len, aux))
     return dataclasses.replace(record, blocks=tuple(b for b in blocks if is_settled(b, len(record.tokens))),
                                events=())

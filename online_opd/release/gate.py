@@ -159,12 +159,12 @@ def gate_anchors(record: SequenceRecord, max_blocks: int, max_tokens: int = DEFA
 
 
 def walk_blocks(target: TargetModel, serving, record: SequenceRecord, max_blocks: int,
-                max_tokens: int = DEFAULT_MAX_TOKENS) -> list[BlockRecord]:
+                max_tokens: int = DEFAULT_MAX_TOKENS, captured_features: bool = True) -> list[BlockRecord]:
     """For a record without logged blocks (served without speculation): the blocks of the serving
     drafter's own greedy walk a -> a + r + 1 over its first ``max_tokens`` tokens (rollout.py: what
     serving it would have logged; exact at T = 0, an exact sample at T > 0), picked as ``gate_blocks``."""
     cut = dataclasses.replace(record, tokens=record.tokens[:max_tokens])
-    return gate_blocks(simulated_record(target, serving, cut), max_blocks, max_tokens)
+    return gate_blocks(simulated_record(target, serving, cut, captured_features), max_blocks, max_tokens)
 
 
 def draft_token_probs(
@@ -330,7 +330,8 @@ def evaluate_gate(
     sums, n_blocks, n_walked = [0.0, 0.0], 0, 0
     for rec in tqdm(most_recent(records, cfg.max_records), desc="gate", unit="rec", disable=not progress):
         is_walked = not rec.blocks
-        blocks = walk_blocks(target, serving, rec, cap, max_tokens) if is_walked else gate_blocks(rec, cap, max_tokens)
+        blocks = (walk_blocks(target, serving, rec, cap, max_tokens, cfg.captured_features) if is_walked
+                  else gate_blocks(rec, cap, max_tokens))
         if not blocks:
             continue
         expected, _ = simulate_record(target, (candidate, serving), rec, [b.anchor for b in blocks],

@@ -184,7 +184,8 @@ class OnlineTrainer:
     def replay_plan(self, record: SequenceRecord) -> SequenceRecord | None:
         """The record as this step replays it (``opd.plan_replay``); counts simulated ones."""
         planned, is_simulated = plan_replay(self.target, self.drafter, record,
-                                            self.cfg.online.simulate_below_coverage)
+                                            self.cfg.online.simulate_below_coverage,
+                                            captured_features=self.cfg.trainer.captured_teacher)
         if is_simulated:
             with self._lock:
                 self._stats["records_simulated"] += 1

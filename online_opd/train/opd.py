@@ -91,16 +91,16 @@ def replayable_blocks(record: SequenceRecord, block_size: int) -> tuple[BlockRec
     return tuple(b for b in record.blocks if b.is_whole and 1 <= len(b.draft_tokens) <= block_size)
 
 
-def plan_replay(target, drafter, record: SequenceRecord,
-                simulate_below_coverage: float) -> tuple[SequenceRecord | None, bool]:
+def plan_replay(target, drafter, record: SequenceRecord, simulate_below_coverage: float,
+                captured_features: bool = True) -> tuple[SequenceRecord | None, bool]:
     """(the record as a step replays it, whether its blocks were simulated); None when no block is left.
 
     Coverage = tokens produced by the replayable logged blocks (r + 1 each) / decoded tokens (the output
     after the prefill's token): the share of the decode that speculated with blocks this drafter can
     replay. At or above ``simulate_below_coverage`` the record keeps those blocks. Below it (none at all
     for a request served without speculation) it is replayed on the blocks the *current* drafter would
-    have drafted over it (``rollout.simulated_record``: one target forward and one batched drafter
-    forward): at T = 0 exactly the blocks serving it would have logged, at T > 0 an exact sample of them
+    have drafted over it (``rollout.simulated_record``: one batched drafter forward, on the record's
+    captured features with ``captured_features``, else on one target forward): at T = 0 exactly the blocks serving it would have logged, at T > 0 an exact sample of them
     (the emitted token equals the draft iff the verifier accepts it, and the recorded tokens are draws
     from the target), so the rule holds at every temperature and sampled traffic needs no speculative
     steps to be learnt from. Such blocks are also fully on-policy, unlike logged ones, which the serving
@@ -111,7 +111,7 @@ def plan_replay(target, drafter, record: SequenceRecord,
     coverage = sum(b.num_accepted + 1 for b in blocks) / num_decoded if num_decoded > 0 else 1.0
     if coverage >= simulate_below_coverage:
         return (dataclasses.replace(record, blocks=blocks) if blocks else None), False
-    simulated = simulated_record(target, drafter, record)
+    simulated = simulated_record(target, drafter, record, captured_features)
     return (simulated if simulated.blocks else None), True
 
 
