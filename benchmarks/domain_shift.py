@@ -39,7 +39,7 @@ import time
 from pathlib import Path
 
 import torch
-from provenance import source_commit  # sibling module: benchmarks/ leads sys.path
+from provenance import code_version, source_commit  # sibling module: benchmarks/ leads sys.path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -241,7 +241,7 @@ def main() -> int:
     if not (args.bootstrap / "drafter" / "manifest.json").exists():
         raise SystemExit(f"{args.bootstrap}/drafter missing: run `online-opd bootstrap` first")
     args.out.mkdir(parents=True, exist_ok=True)
-    commit = source_commit()  # before the arms: the code their servers start on
+    commit, code = source_commit(), code_version()  # before the arms: the code their servers start on
     cfg = load_config(args.config)
     target = resolve_target(cfg, progress=False)
     start = time.time()
@@ -260,7 +260,7 @@ def main() -> int:
         logger.info("%s done: %s", arm["name"], [(round(p["t"]), p["version"], round(p["tau_held_out"], 4))
                                                  for p in arm["timeline"]])
     plot(static_tau, arms, args.out / "domain_shift.png")
-    result = {"command": " ".join(sys.argv), "commit": commit, "seed": args.seed, "capture_features": args.capture_features,
+    result = {"command": " ".join(sys.argv), "commit": commit, "code_version": code, "seed": args.seed, "capture_features": args.capture_features,
               "speculation": args.speculation,
               "held_out_prompts": len(rollouts), "max_tokens": args.max_tokens,
               "static_tau": static_tau, "steps_per_arm": args.steps, "minutes_per_arm": args.minutes,

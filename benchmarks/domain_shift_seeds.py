@@ -3,8 +3,8 @@
 Reads `domain_shift.json` files written by benchmarks/domain_shift.py, one or more per seed (an arm's runs
 may be split over several invocations, e.g. `--arms auto --seed 1` and `--arms target_rollout,draft_opd
 --seed 1`). Runs are compared only when they share the held-out set and the static drafter's tau (same
-bootstrap, same prompts), the minutes per arm, the speculation mode, feature capture and the source commit
-(`--allow-mixed-commits` to compare commits anyway); anything else is refused with the differing setting
+bootstrap, same prompts), the minutes per arm, the speculation mode, feature capture and the code the arms ran
+(`code_version`; `--allow-mixed-commits` to compare different code anyway); anything else is refused with the differing setting
 named. Per arm: the held-out tau of the version serving at the end of
 each seed's run (its last promotion or rollback), its ratio to the static drafter, mean and Student-t 95%
 interval over seeds, trainer steps and keep-up (trained / served tokens per second); per pair of arms:
@@ -41,14 +41,15 @@ def settings(run: dict) -> dict:
 
 def collect(paths: list[Path], allow_mixed_commits: bool = False) -> tuple[dict, dict[str, dict[int, dict]]]:
     """(shared settings, {arm: {seed: figures}}); refuses runs that differ, an arm seen twice at a seed, and
-    (unless ``allow_mixed_commits``) runs of different source commits (``commit``; "unknown" before it)."""
+    (unless ``allow_mixed_commits``) runs of different code (``code_version``: the served and trained code,
+    whatever else the commits changed; else ``commit``; "unknown" for runs that recorded neither)."""
     shared, arms, commits = None, {}, set()
     for path in paths:
         run = json.loads(path.read_text())
-        commit = run.get("commit") or "unknown"
+        commit = run.get("code_version") or run.get("commit") or "unknown"
         commits.add(commit)
         if len(commits) > 1 and not allow_mixed_commits:
-            raise SystemExit(f"{path}: ran on {commit}, the runs before it on {sorted(commits - {commit})}; "
+            raise SystemExit(f"{path}: ran on code {commit}, the runs before it on {sorted(commits - {commit})}; "
                              "--allow-mixed-commits to compare them anyway")
         these = settings(run)
         if shared is None:
@@ -65,10 +66,10 @@ def collect(paths: list[Path], allow_mixed_commits: bool = False) -> tuple[dict,
             arms[arm["name"]][seed] = {"tau": float(end), "steps": arm.get("trainer_steps"),
                                        "promotions": sum(p["event"] == "promote" for p in arm["timeline"][1:]),
                                        "keep_up": keep_up.get("keep_up"), "source": str(path),
-                                       "commit": commit}
+                                       "code": commit}
     if shared is None:
         raise SystemExit("no runs given")
-    return {**shared, "commits": sorted(commits)}, arms
+    return {**shared, "code": sorted(commits)}, arms
 
 
 def summarise(shared: dict, arms: dict[str, dict[int, dict]]) -> dict:

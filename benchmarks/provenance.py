@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import subprocess
 from pathlib import Path
 
@@ -9,13 +10,25 @@ ROOT = Path(__file__).resolve().parents[1]
 CODE = ("online_opd", "vllm_patches", "serve", "configs")  # what the servers and trainers run
 
 
+def _git(*args: str) -> str:
+    return subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True, check=True,
+                          timeout=30).stdout.strip()
+
+
 def source_commit() -> str | None:
     """HEAD's commit, with "+dirty" when the code under CODE differs from it; None outside a git checkout."""
     try:
-        head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True,
-                              check=True, timeout=30).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "--", *CODE], cwd=ROOT, capture_output=True,
-                               text=True, check=True, timeout=30).stdout.strip()
+        head, dirty = _git("rev-parse", "HEAD"), _git("status", "--porcelain", "--", *CODE)
     except (OSError, subprocess.SubprocessError):
         return None
     return head + ("+dirty" if dirty else "")
+
+
+def code_version() -> str | None:
+    """An id of the code under CODE at HEAD (the same for two commits that changed only benchmarks, tests or
+    docs), with "+dirty" when the working tree differs from it; None outside a git checkout."""
+    try:
+        trees, dirty = _git("ls-tree", "HEAD", "--", *CODE), _git("status", "--porcelain", "--", *CODE)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return hashlib.sha1(trees.encode()).hexdigest()[:12] + ("+dirty" if dirty else "")

@@ -65,10 +65,13 @@ def test_runs_that_differ_in_a_setting_or_repeat_an_arm_are_refused(tmp_path):
         domain_shift_seeds.collect([first, write(tmp_path, "c", older)])
     with pytest.raises(SystemExit, match="twice"):
         domain_shift_seeds.collect([first, write(tmp_path, "d", run(0, {"auto": []}))])
-    later = write(tmp_path, "e", run(1, {"auto": [("promote", 1.5)]}, commit="abc"))
+    later = write(tmp_path, "e", run(1, {"auto": [("promote", 1.5)]}, commit="c1", code_version="abc"))
     with pytest.raises(SystemExit, match="allow-mixed-commits"):
         domain_shift_seeds.collect([first, later])
     shared, arms = domain_shift_seeds.collect([first, later], allow_mixed_commits=True)
-    assert shared["commits"] == ["abc", "unknown"] and arms["auto"][1]["commit"] == "abc"
+    assert shared["code"] == ["abc", "unknown"] and arms["auto"][1]["code"] == "abc"
+    same_code = write(tmp_path, "f", run(2, {"auto": []}, commit="c2", code_version="abc"))
+    shared, arms = domain_shift_seeds.collect([later, same_code])  # commits differ, the code does not
+    assert shared["code"] == ["abc"] and sorted(arms["auto"]) == [1, 2]
     with pytest.raises(SystemExit, match="no runs"):
         domain_shift_seeds.collect([])
