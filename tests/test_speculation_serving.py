@@ -5,6 +5,7 @@ engine client, the /metrics series and `online-opd serve --speculation` argv and
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 from pathlib import Path
 from types import SimpleNamespace
@@ -91,6 +92,21 @@ def test_exploration_share_and_k_cycle():
     assert [ks[i] for i in bursts] == [3, 1, 2, 3, 1, 2]
     assert control.counters["explored_steps"] == 18 and control.lookup_for_step() == [0, 0, 0]
     assert SpeculationControl(SpeculationSettings(explore_share=0.0), [0, 0], 2).lookup_for_step() == [0, 0]
+
+
+def test_exploration_measures_plain_steps_where_the_schedule_speculates():
+    """A schedule with K > 0 somewhere: the cycle also runs K = 0 bursts, so the plain step's cost is
+    measured under the same load as the speculative ones (else it keeps the cost from before speculation
+    switched on); a steady K = 0 burst step is timed into the (b, 0) bucket."""
+    control = SpeculationControl(SpeculationSettings(explore_share=0.1, explore_steps=3), [0, 2, 2], max_k=3)
+    exploring = []
+    for i in range(200):
+        k = control.lookup_for_step()[2]
+        exploring.append(control.status(None)["exploring_k"])
+        run(control, step({"a": 1 + k, "b": 1 + k}, k, {"a": k, "b": k}), output({"a": 1, "b": 1}), i, i + 0.5)
+    assert [k for k, _ in itertools.groupby(exploring) if k is not None] == [3, 0, 1, 2, 3, 0]
+    steps = {(row[0], row[1]): row[3] for row in control.costs.to_rows()}  # steady steps timed per (b, K)
+    assert steps == {(2, 0): 6, (2, 1): 3, (2, 2): 200 - 18 + 3, (2, 3): 6}  # two K = 0 bursts among them
 
 
 def test_a_new_exploration_share_is_budgeted_over_the_steps_after_it():

@@ -31,9 +31,13 @@ lookup exists) and sets ``ONLINE_OPD_SPECULATION``; then ``install`` (called by
   return empty lists; each request's drafts were already cleared when it was
   scheduled);
 - explores: when the policy's schedule says K = 0, the cost of speculating is
-  never measured. So a bounded share of steps (``explore_share``) runs in short
-  bursts of ``explore_steps`` steps at K in 1..K_max, cycled, for every batch
-  size. The policy loop may change the share with the schedule (a higher one
+  never measured, and where it says K > 0, the cost of a plain step stops being
+  measured (its bucket then keeps a cost from another time: in one domain-shift
+  run t(4, 0) stayed 0.228 s from before the trainer settled, against 0.127 s
+  measured through another run, and the two runs served b = 4 at K = 3 and
+  K = 0). So a bounded share of steps (``explore_share``) runs in short bursts
+  of ``explore_steps`` steps at K in 0..K_max, cycled (0 left out while the
+  schedule is K = 0 everywhere), for every batch size. The policy loop may change the share with the schedule (a higher one
   while the serving version's acceptance is not measured yet); each share is
   budgeted over the steps since it was set. Output stays lossless (the target verifies); the burst's steady steps
   feed the cost table and the acceptance counts.
@@ -106,8 +110,10 @@ class SpeculationControl:
         if not self.policy_lookup:
             return None
         if self._explore_k is None and self._is_exploration_due():
+            if self._next_k == 0 and not any(self.policy_lookup):
+                self._next_k = 1  # K = 0 is what the schedule serves everywhere: measured already
             self._explore_k, self._explore_left = self._next_k, self.settings.explore_steps
-            self._next_k = self._next_k % self.max_k + 1  # cycle K_max, 1, 2, ..., K_max - 1
+            self._next_k = (self._next_k + 1) % (self.max_k + 1)  # cycle K_max, 0, 1, ..., K_max - 1
         if self._explore_k is None:
             return self.policy_lookup
         return [0] + [self._explore_k] * (len(self.policy_lookup) - 1)
