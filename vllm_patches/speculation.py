@@ -33,11 +33,12 @@ lookup exists) and sets ``ONLINE_OPD_SPECULATION``; then ``install`` (called by
 - explores: when the policy's schedule says K = 0, the cost of speculating is
   never measured, and where it says K > 0, the cost of a plain step stops being
   measured (its bucket then keeps a cost from another time: in one domain-shift
-  run t(4, 0) stayed 0.228 s from before the trainer settled, against 0.127 s
-  measured through another run, and the two runs served b = 4 at K = 3 and
-  K = 0). So a bounded share of steps (``explore_share``) runs in short bursts
-  of ``explore_steps`` steps at K in 0..K_max, cycled (0 left out while the
-  schedule is K = 0 everywhere), for every batch size. The policy loop may change the share with the schedule (a higher one
+  run t(4-7, 0) stayed 0.228 s, measured only while the schedule served K = 0
+  there, against 0.127 s measured through another run, and the two runs served
+  b = 4 at K = 3 and K = 0). So a bounded share of steps (``explore_share``)
+  runs in short bursts of ``explore_steps`` steps at K in 0..K_max, cycled (0
+  left out while the schedule is K = 0 everywhere), for every batch size. The
+  policy loop may change the share with the schedule (a higher one
   while the serving version's acceptance is not measured yet); each share is
   budgeted over the steps since it was set. Output stays lossless (the target verifies); the burst's steady steps
   feed the cost table and the acceptance counts.

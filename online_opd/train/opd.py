@@ -100,7 +100,8 @@ def plan_replay(target, drafter, record: SequenceRecord, simulate_below_coverage
     replay. At or above ``simulate_below_coverage`` the record keeps those blocks. Below it (none at all
     for a request served without speculation) it is replayed on the blocks the *current* drafter would
     have drafted over it (``rollout.simulated_record``: one batched drafter forward, on the record's
-    captured features with ``captured_features``, else on one target forward): at T = 0 exactly the blocks serving it would have logged, at T > 0 an exact sample of them
+    captured features with ``captured_features``, else on one target forward): at T = 0 exactly the
+    blocks serving it would have logged, at T > 0 an exact sample of them
     (the emitted token equals the draft iff the verifier accepts it, and the recorded tokens are draws
     from the target), so the rule holds at every temperature and sampled traffic needs no speculative
     steps to be learnt from. Such blocks are also fully on-policy, unlike logged ones, which the serving
