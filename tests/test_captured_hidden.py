@@ -247,7 +247,8 @@ def test_unusable_features_fall_back_to_the_forward(target, drafter, record):
     for hidden in (None, wrong_width, short, TargetHidden.from_tensor(0, bad)):
         rows, ran_over = sequence_aux(target, tokens[:-1], layer_ids, hidden)
         assert ran_over == T
-        torch.testing.assert_close(rows, aux[:-1])
+        # a forward over T tokens against one over T + 1: other GEMM shapes, float32 rounding only
+        torch.testing.assert_close(rows, aux[:-1], atol=2e-4, rtol=1e-4)
     # a block without its teacher needs the packed forward: the features are not used then
     blocks = (dataclasses.replace(record.blocks[0], teacher=None), *record.blocks[1:])
     batch = replay_sequence(target, drafter, tokens[:-1], blocks, hidden=TargetHidden.from_tensor(0, aux[:-1]))
