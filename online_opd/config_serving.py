@@ -204,7 +204,8 @@ class GateConfig(StrictModel):
 
     every_steps: int = Field(50, ge=1, description="Trainer steps between gate evaluations of the candidate.")
     min_records: int = Field(
-        8, ge=2, description="Held-out records needed for a decision; fewer = not promoted.")
+        8, ge=2, description="Distinct held-out prompts (records sharing a held-out key count once: they are "
+                             "one sample) needed for a decision; fewer = not promoted.")
     held_out_fraction: float = Field(
         0.1, gt=0, lt=1, description="Share of captured records never trained on (by a hash of the first "
                                      "`split_prefix_tokens` prompt tokens, online_opd/release/gate.py).")
@@ -217,7 +218,8 @@ class GateConfig(StrictModel):
         0.0, description="Promote iff the lower confidence bound of the tau gain exceeds this (tau units).")
     confidence: float = Field(0.9, gt=0.5, lt=1, description="One-sided confidence of that lower bound.")
     max_blocks_per_record: int = Field(64, ge=1, description="Anchors simulated per held-out record (cap).")
-    max_records: int = Field(64, ge=1, description="Most recent held-out records evaluated, at most.")
+    max_records: int = Field(64, ge=1, description="Most recent held-out records evaluated, at most (the online "
+                                                   "trainer keeps the newest record of each held-out prompt).")
     captured_features: bool = Field(
         True, description="Give both drafters the target features a record carries (capture.hidden_sample_rate) "
                           "instead of a target forward over its context: the features the served drafter saw. "

@@ -187,12 +187,27 @@ def test_trained_candidate_passes_against_the_random_serving_drafter(target, ser
 
 def test_too_few_records_fail_with_the_reason(target, serving, trained, records):
     result = evaluate_gate(target, trained, serving, records[:3], GateConfig())
-    assert not result.passed and result.reason == "not enough held-out records (3 < 8)"
+    assert not result.passed and result.reason == "not enough held-out prompts: 3 prompts (3 records), min_records 8"
     assert result.n_records == 3 and result.tau_candidate > result.tau_serving  # figures still reported
     empty = evaluate_gate(target, trained, serving, [], GateConfig())
     assert empty.n_blocks == 0 and not empty.passed
     assert empty.to_dict()["tau_candidate"] is None
     json.dumps(empty.to_dict(), allow_nan=False)
+
+
+def test_a_repeated_prompt_is_one_sample_not_many(target, serving, trained, records):
+    """Records sharing a held-out key (here: the same prompt, served again; at T = 0 the same sequence)
+    are averaged into one sample: repeating 3 prompts 4 times changes neither the bound nor the count
+    the decision needs, where counting records would claim 12 independent samples."""
+    three = evaluate_gate(target, trained, serving, records[:3], GateConfig(min_records=2))
+    again = [dataclasses.replace(r, record_id=f"{r.record_id}-again{i}") for i in range(4) for r in records[:3]]
+    repeated = evaluate_gate(target, trained, serving, again, GateConfig(min_records=2))
+    assert (repeated.n_records, repeated.n_prompts, three.n_prompts) == (12, 3, 3)
+    assert repeated.record_diff_mean == pytest.approx(three.record_diff_mean, abs=1e-12)
+    assert repeated.record_diff_lower == pytest.approx(three.record_diff_lower, abs=1e-12)
+    assert repeated.n_blocks == 4 * three.n_blocks
+    too_few = evaluate_gate(target, trained, serving, again, GateConfig(min_records=4))
+    assert not too_few.passed and too_few.reason.startswith("not enough held-out prompts: 3 prompts (12 records)")
 
 
 def test_sampled_records_match_rejection_sampling_in_expectation(target, serving, trained):

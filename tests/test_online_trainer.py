@@ -94,7 +94,11 @@ def test_poll_routes_records_and_drops_invalid_ones(world, tmp_path):
     train, held_out = split_held_out(good, HELD_OUT, SPLIT_PREFIX)
     assert 0 < len(held_out) < len(good) and kept == len(good)
     assert [r.record_id for r in trainer.pools.window] == [r.record_id for r in train]
-    assert [r.record_id for r in trainer.pools.held_out] == [r.record_id for r in held_out]
+    newest = {}  # the held-out pool: the newest record of each prompt, by when its prompt was last seen
+    for r in held_out:
+        newest.pop(r.tokens[:SPLIT_PREFIX], None)
+        newest[r.tokens[:SPLIT_PREFIX]] = r.record_id
+    assert [r.record_id for r in trainer.pools.held_out] == list(newest.values())
     assert list(trainer.pools.fresh) == [r.record_id for r in train]
     stats = trainer.stats()
     assert stats["records_seen"] == len(good) + len(extra) and stats["records_invalid"] == 1
@@ -289,6 +293,24 @@ def test_gate_promotes_a_better_candidate_and_training_goes_on(world, memorised,
     assert all(torch.equal(before[k], v) for k, v in _weights(trainer).items())  # no reset
     assert trainer.step()["step"] == 4
     assert trainer.stats()["promotions"] == 1
+
+
+def test_held_out_pool_keeps_the_newest_record_of_each_prompt(world, tmp_path):
+    """A repeated held-out prompt takes one slot of the pool (the gate's unit is the prompt), holding
+    its newest record; past gate.max_records prompts the least recently seen one leaves."""
+    _, held_out = split_held_out(world["records"], HELD_OUT, SPLIT_PREFIX)
+    assert len(held_out) >= 3
+    repeats = [dataclasses.replace(r, record_id=f"again-{r.record_id}") for r in held_out[:2]] * 3
+    trainer = OnlineTrainer(_config(), **_setup(world, tmp_path, world["records"] + repeats))
+    assert trainer.poll() == len(world["records"]) + len(repeats)
+    ids = [r.record_id for r in trainer.pools.held_out]
+    assert ids == [r.record_id for r in held_out[2:]] + [f"again-{r.record_id}" for r in held_out[:2]]
+    assert trainer.gate()["n_prompts"] == len(held_out)  # each prompt once, however often it came back
+    cfg = _config()
+    cfg.gate.max_records = cfg.gate.min_records = 2
+    trainer = OnlineTrainer(cfg, **_setup(world, tmp_path / "capped", world["records"] + repeats))
+    trainer.poll()
+    assert [r.record_id for r in trainer.pools.held_out] == [f"again-{r.record_id}" for r in held_out[:2]]
 
 
 @pytest.fixture(scope="module")

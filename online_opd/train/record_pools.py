@@ -14,8 +14,10 @@ tokens to simulate one on is counted as ``records_unusable``; every other record
 the capture-fidelity contract (``check_fidelity``): violators are dropped and counted
 (``records_invalid``), never trained on. The rest is routed by the gate's stable hash of the prompt's
 first tokens (``gate.is_held_out``: siblings, repeated prompts and a conversation's turns stay on one
-side) to the held-out pool (the newest ``gate.max_records``) or to the train window (the newest
-``online.window_records``). A train record is *fresh* until a step has replayed it (or it leaves the
+side) to the held-out pool or to the train window (the newest ``online.window_records``). The held-out
+pool keeps the newest record of each held-out prompt (key), for the newest ``gate.max_records`` prompts:
+the gate's unit is the prompt (release/gate.py), so a prompt repeated all day fills one slot, not all of
+them, and the gate's records stay as many distinct prompts as traffic offers. A train record is *fresh* until a step has replayed it (or it leaves the
 window).
 
 Sampling (the replay ratio). Each step replays ``trainer.sequences_per_step`` records:
@@ -39,7 +41,7 @@ from pathlib import Path
 import torch
 
 from online_opd.config import OnlineOPDConfig
-from online_opd.release.gate import is_held_out
+from online_opd.release.gate import held_out_key, is_held_out
 from online_opd.traces.buffer import BufferReader, CorruptSegment
 from online_opd.traces.records import SequenceRecord, check_fidelity
 from online_opd.train.opd import replayable_blocks
@@ -51,7 +53,8 @@ class RecordPools:
     """The buffer's records as the online trainer trains on them: ``poll``, ``sample``, ``resume``.
 
     ``window`` (train, newest ``online.window_records``), ``fresh`` (the window's records no step has
-    replayed yet, by id, oldest first) and ``held_out`` (newest ``gate.max_records``) are read by the
+    replayed yet, by id, oldest first) and ``held_out`` (the newest record of each of the newest
+    ``gate.max_records`` held-out prompts, oldest first) are read by the
     trainer; ``cursor`` is the last buffer segment read. Not thread-safe (``len`` of the pools is).
     """
 
@@ -61,8 +64,13 @@ class RecordPools:
         self.cursor: str | None = None
         self.window: deque[SequenceRecord] = deque(maxlen=cfg.online.window_records)
         self.fresh: OrderedDict[str, SequenceRecord] = OrderedDict()  # untrained records of the window
-        self.held_out: deque[SequenceRecord] = deque(maxlen=cfg.gate.max_records)
+        self._held_out: OrderedDict[bytes, SequenceRecord] = OrderedDict()  # held-out key -> newest record
         self._warned_unusable = False
+
+    @property
+    def held_out(self) -> list[SequenceRecord]:
+        """The gate's records: the newest of each held-out prompt, least recently seen prompt first."""
+        return list(self._held_out.values())
 
     def poll(self, block_size: int) -> tuple[list[SequenceRecord], dict[str, int]]:
         """Read new buffer records into the pools. Returns the records kept (train + held-out, in buffer
@@ -93,8 +101,13 @@ class RecordPools:
         if errors:
             logger.warning("online trainer: dropping record %s: %s", record.record_id, "; ".join(errors[:3]))
             return "records_invalid"
-        if is_held_out(record, self.cfg.gate.held_out_fraction, self.cfg.gate.split_prefix_tokens):
-            self.held_out.append(record)  # the gate scores any K, and walks a record without blocks
+        gate = self.cfg.gate
+        if is_held_out(record, gate.held_out_fraction, gate.split_prefix_tokens):
+            key = held_out_key(record, gate.split_prefix_tokens)  # the gate scores any K, walks a blockless one
+            self._held_out.pop(key, None)
+            self._held_out[key] = record
+            if len(self._held_out) > gate.max_records:
+                self._held_out.popitem(last=False)
             return "kept"
         if len(self.window) == self.window.maxlen:  # the oldest leaves the window, and with it fresh
             evicted = self.window[0]
@@ -133,14 +146,16 @@ class RecordPools:
         if not self.reader.exists():
             return []
         chunks: list[list[SequenceRecord]] = []
-        need_train, need_held_out = self.window.maxlen or 0, self.held_out.maxlen or 0
+        gate = self.cfg.gate
+        # held-out: read until max_records of its records (at most that many prompts; a prompt met
+        # only further back is left out, so a resume reads a bounded share of the buffer)
+        need_train, need_held_out = self.window.maxlen or 0, gate.max_records
         for info in reversed([s for s in self.reader.segments() if s.name <= cursor]):
             try:
                 records = self.reader.read_segment(info)
             except (CorruptSegment, OSError):  # counted when it was first read; deleted since
                 continue
             chunks.append(records)
-            gate = self.cfg.gate
             held = sum(is_held_out(r, gate.held_out_fraction, gate.split_prefix_tokens) for r in records)
             need_train, need_held_out = need_train - (len(records) - held), need_held_out - held
             if need_train <= 0 and need_held_out <= 0:
