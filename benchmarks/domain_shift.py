@@ -8,7 +8,10 @@ Arms, in one run on this machine:
 The online arms each run `online-opd serve` with its Ray trainer for the same number of optimizer
 steps (`--steps`) with the same batch shape: equal trainer compute (their trainer seconds are
 reported too). Traffic: `online-opd loadgen`'s engine on HumanEval *train*-split prompts, greedy,
-closed loop. The gate (margin 0, paired lower bound) promotes versions; the reloader hot-loads them.
+closed loop, in batches of 16 requests: batch i sends the first 16 of the train split shuffled with
+seed i, so an arm sees every train prompt, a few times each, in the same order in every arm (TRAFFIC;
+runs before 2026-12-04 sent the same 16 prompts in every batch, which the gate's held-out share cut to
+2 prompts). The gate (margin 0, paired lower bound) promotes versions; the reloader hot-loads them.
 
 Measured: served acceptance length tau on *held-out* HumanEval prompts, over each arm's wall
 time. The held-out prompts never reach the server. tau(version) is computed exactly: at T=0
@@ -46,6 +49,8 @@ sys.path.insert(0, str(ROOT))
 
 from online_opd.config import load_config  # noqa: E402
 from online_opd.data import load_prompts  # noqa: E402
+
+TRAFFIC = "humaneval-train-rotating-16"  # the traffic's shape, recorded so runs of other traffic do not pool
 from online_opd.models.drafters.checkpoint import load_drafter  # noqa: E402
 from online_opd.models.target_model import TargetModel  # noqa: E402
 from online_opd.opd.rollout import greedy_blocks, pooled_acceptance_length  # noqa: E402
@@ -118,11 +123,13 @@ def run_arm(name: str, objective: str, args, bootstrap_dir: Path, out: Path) -> 
         scraper.start()
 
         def traffic() -> None:
+            batch = 0
             while not stop.is_set():
                 loads.append(run_load(LoadConfig(
                     base_url=f"{server.url}/v1", prompts="humaneval", split="train", num_prompts=256,
                     num_requests=16, concurrency=4, max_tokens=args.max_tokens, temperature=0.0,
-                    progress=False)))
+                    seed=batch, progress=False)))
+                batch += 1
 
         sender = threading.Thread(target=traffic, daemon=True)
         sender.start()
@@ -261,7 +268,7 @@ def main() -> int:
                                                  for p in arm["timeline"]])
     plot(static_tau, arms, args.out / "domain_shift.png")
     result = {"command": " ".join(sys.argv), "commit": commit, "code_version": code, "seed": args.seed, "capture_features": args.capture_features,
-              "speculation": args.speculation,
+              "speculation": args.speculation, "traffic": TRAFFIC,
               "held_out_prompts": len(rollouts), "max_tokens": args.max_tokens,
               "static_tau": static_tau, "steps_per_arm": args.steps, "minutes_per_arm": args.minutes,
               "arms": [{k: v for k, v in a.items() if k != "history"} for a in arms],

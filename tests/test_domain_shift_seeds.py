@@ -65,6 +65,9 @@ def test_runs_that_differ_in_a_setting_or_repeat_an_arm_are_refused(tmp_path):
         domain_shift_seeds.collect([first, write(tmp_path, "c", older)])
     with pytest.raises(SystemExit, match="twice"):
         domain_shift_seeds.collect([first, write(tmp_path, "d", run(0, {"auto": []}))])
+    rotating = write(tmp_path, "r", run(1, {"auto": []}, traffic="humaneval-train-rotating-16"))
+    with pytest.raises(SystemExit, match="humaneval-train-first-16"):  # runs without the field: the old traffic
+        domain_shift_seeds.collect([first, rotating])
     later = write(tmp_path, "e", run(1, {"auto": [("promote", 1.5)]}, commit="c1", code_version="abc"))
     with pytest.raises(SystemExit, match="allow-mixed-commits"):
         domain_shift_seeds.collect([first, later])
