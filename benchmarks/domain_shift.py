@@ -49,8 +49,6 @@ sys.path.insert(0, str(ROOT))
 
 from online_opd.config import load_config  # noqa: E402
 from online_opd.data import load_prompts  # noqa: E402
-
-TRAFFIC = "humaneval-train-rotating-16"  # the traffic's shape, recorded so runs of other traffic do not pool
 from online_opd.models.drafters.checkpoint import load_drafter  # noqa: E402
 from online_opd.models.target_model import TargetModel  # noqa: E402
 from online_opd.opd.rollout import greedy_blocks, pooled_acceptance_length  # noqa: E402
@@ -63,6 +61,8 @@ from serve.pipeline import load_tokenizer, resolve_target  # noqa: E402
 from serve.scrape import scrape_loop  # noqa: E402
 
 logger = logging.getLogger("domain_shift")
+
+TRAFFIC = "humaneval-train-rotating-16"  # the traffic's shape, recorded so runs of other traffic do not pool
 
 
 def held_out_rollouts(cfg, target: Path, num_prompts: int, max_tokens: int) -> list[list[int]]:

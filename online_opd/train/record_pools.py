@@ -17,8 +17,8 @@ first tokens (``gate.is_held_out``: siblings, repeated prompts and a conversatio
 side) to the held-out pool or to the train window (the newest ``online.window_records``). The held-out
 pool keeps the newest record of each held-out prompt (key), for the newest ``gate.max_records`` prompts:
 the gate's unit is the prompt (release/gate.py), so a prompt repeated all day fills one slot, not all of
-them, and the gate's records stay as many distinct prompts as traffic offers. A train record is *fresh* until a step has replayed it (or it leaves the
-window).
+them, and the gate's records stay as many distinct prompts as traffic offers. A train record is *fresh*
+until a step has replayed it (or it leaves the window).
 
 Sampling (the replay ratio). Each step replays ``trainer.sequences_per_step`` records:
 ``round(online.fresh_fraction * n)`` fresh ones, newest first (drafted by the most recent serving
