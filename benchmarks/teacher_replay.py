@@ -57,7 +57,7 @@ from online_opd.opd.replay import (  # noqa: E402
     top_k_teacher,
 )
 from online_opd.traces.buffer import BufferReader  # noqa: E402
-from online_opd.traces.records import TeacherTopK  # noqa: E402
+from online_opd.traces.target_signal import TeacherTopK  # noqa: E402
 from online_opd.train.opd import choose_blocks, objective_fn, offline_objective, replayable_blocks  # noqa: E402
 from serve.launcher import benchmark_logging, emit_result  # noqa: E402
 from serve.pipeline import load_serving_drafter, resolve_target  # noqa: E402

@@ -18,7 +18,8 @@ from online_opd.opd.replay import replay_sequence, sequence_aux, top_k_teacher
 from online_opd.opd.rollout import simulated_record
 from online_opd.opd.specdec import target_generate
 from online_opd.traces.buffer import SEGMENT_SCHEMA, BufferReader, decode_segment, encode_segment
-from online_opd.traces.records import BlockRecord, SequenceRecord, TargetHidden
+from online_opd.traces.records import BlockRecord, SequenceRecord
+from online_opd.traces.target_signal import TargetHidden
 from online_opd.train.opd import replay_records
 from tests.test_teacher_capture import new_request, run_step, schedule
 from tests.test_teacher_signal import PROMPT, K, drafter, target  # noqa: F401  (the same tiny models)

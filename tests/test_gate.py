@@ -24,7 +24,8 @@ from online_opd.release.gate import (
     split_held_out,
     walk_blocks,
 )
-from online_opd.traces.records import SequenceRecord, TargetHidden, check_fidelity
+from online_opd.traces.records import SequenceRecord, check_fidelity
+from online_opd.traces.target_signal import TargetHidden
 from online_opd.train.loop import train
 from online_opd.train.sequences import TrainSequence, compute_aux_hidden
 from online_opd.train.sft import sample_anchors, sft_loss

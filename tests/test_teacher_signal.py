@@ -25,7 +25,8 @@ from online_opd.opd.replay import (
 )
 from online_opd.opd.specdec import target_generate
 from online_opd.traces.buffer import SEGMENT_SCHEMA, decode_segment, encode_segment
-from online_opd.traces.records import BlockRecord, SequenceRecord, TeacherTopK, check_fidelity
+from online_opd.traces.records import BlockRecord, SequenceRecord, check_fidelity
+from online_opd.traces.target_signal import TeacherTopK
 from tests.tiny import VOCAB, tiny_drafter, tiny_eagle3_drafter, tiny_target
 
 K = 4

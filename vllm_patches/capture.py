@@ -87,7 +87,8 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from online_opd.opd.replay import top_k_logprobs
-from online_opd.traces.records import BlockRecord, SequenceRecord, TeacherTopK
+from online_opd.traces.records import BlockRecord, SequenceRecord
+from online_opd.traces.target_signal import TeacherTopK
 from online_opd.traces.writer import BufferWriter
 from vllm_patches import capture_features, draft_trim, ngram_fallback
 from vllm_patches.capture_features import HIDDEN_MAX_BYTES, join_hidden

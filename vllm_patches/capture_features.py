@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-from online_opd.traces.records import HIDDEN_DTYPES, TargetHidden
+from online_opd.traces.target_signal import HIDDEN_DTYPES, TargetHidden
 
 logger = logging.getLogger("online_opd.capture")
 

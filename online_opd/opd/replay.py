@@ -98,7 +98,8 @@ import torch
 import torch.nn.functional as F
 
 from online_opd.models.target_model import TargetModel
-from online_opd.traces.records import BlockRecord, TargetHidden, TeacherTopK
+from online_opd.traces.records import BlockRecord
+from online_opd.traces.target_signal import TargetHidden, TeacherTopK
 
 TAIL_MASS_FLOOR = 1e-6  # least mass a reconstructed teacher row leaves outside its top-k (teacher_logits)
 TEACHER_TAILS = ("uniform", "student")  # how a captured teacher's uncaptured mass is spread (replay_sequence)

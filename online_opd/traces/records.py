@@ -47,20 +47,10 @@ have been drafted by prompt lookup instead of the drafter (``BlockRecord.propose
 keeps the chain and the fidelity contract like any other, but replay and the
 per-version figures leave it out: it says nothing of the drafter's weights.
 
-The verifier as teacher. A block may carry ``BlockRecord.teacher`` (``TeacherTopK``):
-the top-k log-probabilities vLLM's verifier computed at each of its K drafted
-positions and at the bonus position, which is exactly Draft-OPD's teacher
-p_{m,k}; replay then needs no target forward over the drafted positions
-(online_opd/opd/replay.py). None (records written before the field existed, or a
-request not sampled for it): replay recomputes p.
-
-The target's features. A record may also carry ``SequenceRecord.hidden``
-(``TargetHidden``): the auxiliary hidden states the target computed while serving
-it, the rows a DFlash drafter reads as its context, for the sequence positions
-``start`` .. T - 2 (T = len(tokens); the last token is never fed to the target;
-positions below ``start`` came from the prefix cache or fell in a step whose rows
-were not kept). With them and every replayed block's teacher, replay runs no
-target forward past ``start`` (online_opd/opd/replay.py).
+The target's signal. A block may carry the verifier's top-k log-probabilities
+(``BlockRecord.teacher``) and a record the target's auxiliary hidden states
+(``SequenceRecord.hidden``), captured while serving so that replay needs no target
+forward for them: online_opd/traces/target_signal.py.
 
 What lives elsewhere: capture (vllm_patches/), storage (online_opd/traces/buffer),
 replay of records into training tensors (online_opd/opd/replay.py).
@@ -68,150 +58,25 @@ replay of records into training tensors (online_opd/opd/replay.py).
 
 from __future__ import annotations
 
-import base64
-import math
 from dataclasses import dataclass
 from typing import Any
 
+from online_opd.traces.fields import (
+    count_field,
+    events_field,
+    float_field,
+    int_field,
+    optional_float,
+    optional_str,
+    require_dict,
+    required_field,
+    str_field,
+    token_tuple,
+)
+from online_opd.traces.target_signal import TargetHidden, TeacherTopK
+
 DRAFTER, NGRAM = "drafter", "ngram"  # BlockRecord.proposer (speculation/hybrid.py uses the same names)
 PROPOSERS = (DRAFTER, NGRAM)
-
-
-@dataclass(frozen=True)
-class TeacherTopK:
-    """The verifier's top-k next-token log-probabilities on one verified block: Draft-OPD's teacher.
-
-    Row j (j = 0..K_m) is p(. | x_<=anchor, d_1..d_j): rows 0..K_m-1 are the drafted positions
-    k = 1..K_m, row K_m the bonus position (the distribution the target's own token after an
-    all-accepted block came from; replay does not read it). Values are the log-softmax at temperature
-    1 of the target's raw logits as vLLM's verifier computed them, read before sampling (the request's
-    temperature, top-p and top-k do not touch them: the teacher is the model, not the sampler), each
-    row's k largest in descending order, float32 values (``replay.top_k_logprobs``: finite, <= 0).
-    The rest of the vocabulary's mass is not kept; replay spreads it uniformly
-    (``replay.teacher_logits``). Built by the capture hook without checks; ``from_dict`` (every read)
-    and ``from_tensors`` validate."""
-
-    token_ids: tuple[tuple[int, ...], ...]  # [K_m + 1][k] distinct target-vocabulary ids per row
-    logprobs: tuple[tuple[float, ...], ...]  # [K_m + 1][k] log p of those ids, descending
-
-    @property
-    def top_k(self) -> int:
-        """k, the ids kept per row."""
-        return len(self.token_ids[0]) if self.token_ids else 0
-
-    def to_dict(self) -> dict[str, Any]:
-        return {"token_ids": [list(row) for row in self.token_ids],
-                "logprobs": [list(row) for row in self.logprobs]}
-
-    @classmethod
-    def from_dict(cls, data: Any, where: str = "teacher") -> "TeacherTopK":
-        """Parse a dict from ``to_dict``; ValueError names the bad field. At least one row, every row
-        the same k >= 1 (ids and logprobs alike), distinct ids >= 0 per row (replay scatters them),
-        finite logprobs <= 0."""
-        data = _require_dict(data, where)
-        token_ids = _rows(data, "token_ids", where)
-        logprobs = _rows(data, "logprobs", where)
-        k = len(token_ids[0])
-        shape = [k] * len(token_ids)
-        if k == 0 or [len(row) for row in token_ids] != shape or [len(row) for row in logprobs] != shape:
-            raise ValueError(f"{where}: token_ids and logprobs must be the same [rows][k] shape with k >= 1, "
-                             f"got {[len(r) for r in token_ids]} and {[len(r) for r in logprobs]}")
-        for j, row in enumerate(token_ids):
-            if not all(_is_int(t) and t >= 0 for t in row) or len(set(row)) != k:
-                raise ValueError(f"{where}.token_ids[{j}] must be distinct non-negative ints")
-        for j, row in enumerate(logprobs):
-            # not `v <= 0.0` alone: nan compares False, so it would pass
-            if not all(_is_number(v) and -math.inf < v <= 0.0 for v in row):
-                raise ValueError(f"{where}.logprobs[{j}] must be finite numbers <= 0, got {list(row)!r}")
-        return cls(tuple(tuple(row) for row in token_ids),
-                   tuple(tuple(float(v) for v in row) for row in logprobs))
-
-    @classmethod
-    def from_tensors(cls, token_ids: Any, logprobs: Any, where: str = "teacher") -> "TeacherTopK":
-        """From ``replay.top_k_logprobs``'s [rows, k] int64 ids and float32 log-probabilities (anything with
-        ``tolist()``), validated as ``from_dict``. A float32 tensor's values are exact Python floats, so they
-        round-trip unchanged through JSON and the buffer's float32 column."""
-        return cls.from_dict({"token_ids": token_ids.tolist(), "logprobs": logprobs.tolist()}, where)
-
-
-HIDDEN_DTYPES = {"bfloat16": 2, "float16": 2, "float32": 4}  # TargetHidden.dtype -> bytes per value
-
-
-@dataclass(frozen=True)
-class TargetHidden:
-    """The target's auxiliary hidden states at sequence positions ``start`` .. ``start`` + n - 1, as the
-    serving engine computed them (vLLM's ``target_hidden_states``: the drafter's target layers
-    concatenated, ``width`` = layers x hidden size), row-major raw values of ``dtype`` (the serving
-    dtype; bfloat16 on this CPU). The capture keeps finite rows only; ``to_tensor`` checks again."""
-
-    start: int  # first sequence position with a row
-    width: int  # values per row
-    dtype: str  # one of HIDDEN_DTYPES
-    data: bytes  # n x width values
-
-    def __post_init__(self) -> None:
-        if isinstance(self.start, bool) or not isinstance(self.start, int) or self.start < 0:
-            raise ValueError(f"hidden.start must be an int >= 0, got {self.start!r}")
-        if isinstance(self.width, bool) or not isinstance(self.width, int) or self.width < 1:
-            raise ValueError(f"hidden.width must be an int >= 1, got {self.width!r}")
-        if self.dtype not in HIDDEN_DTYPES:
-            raise ValueError(f"hidden.dtype must be one of {sorted(HIDDEN_DTYPES)}, got {self.dtype!r}")
-        if not isinstance(self.data, bytes):
-            raise ValueError(f"hidden.data must be bytes, got {type(self.data).__name__}")
-        row = self.width * HIDDEN_DTYPES[self.dtype]
-        if not self.data or len(self.data) % row:
-            raise ValueError(f"hidden.data holds {len(self.data)} bytes: not a positive whole number of "
-                             f"{self.width}-value {self.dtype} rows ({row} bytes each)")
-
-    @property
-    def num_rows(self) -> int:
-        return len(self.data) // (self.width * HIDDEN_DTYPES[self.dtype])
-
-    @property
-    def end(self) -> int:
-        """One past the last position with a row."""
-        return self.start + self.num_rows
-
-    def to_tensor(self):
-        """[num_rows, width] torch tensor of ``dtype`` (a copy); ValueError on a non-finite value."""
-        import torch
-
-        rows = torch.frombuffer(bytearray(self.data), dtype=getattr(torch, self.dtype)).view(-1, self.width)
-        if not bool(rows.isfinite().all()):
-            raise ValueError("hidden: non-finite values")
-        return rows
-
-    @classmethod
-    def from_tensor(cls, start: int, rows) -> "TargetHidden":
-        """From a [n, width] torch tensor of a ``HIDDEN_DTYPES`` dtype (copied to the host)."""
-        import torch
-
-        dtype = str(rows.dtype).removeprefix("torch.")
-        if rows.dim() != 2 or dtype not in HIDDEN_DTYPES:
-            raise ValueError(f"hidden rows must be 2-D of {sorted(HIDDEN_DTYPES)}, got {tuple(rows.shape)} {dtype}")
-        host = rows.detach().to("cpu").contiguous()
-        raw = host.view(-1).view(torch.uint8).numpy().tobytes()
-        return cls(int(start), int(rows.shape[1]), dtype, raw)
-
-    def to_dict(self) -> dict[str, Any]:
-        return {"start": self.start, "width": self.width, "dtype": self.dtype,
-                "data": base64.b64encode(self.data).decode("ascii")}
-
-    @classmethod
-    def from_dict(cls, data: Any, where: str = "record.hidden") -> "TargetHidden":
-        """Parse ``to_dict``'s dict (``data`` base64, or raw bytes as the buffer stores it)."""
-        data = _require_dict(data, where)
-        raw = _field(data, "data", where)
-        if isinstance(raw, str):
-            try:
-                raw = base64.b64decode(raw, validate=True)
-            except ValueError as exc:
-                raise ValueError(f"{where}.data is not base64: {exc}") from None
-        try:
-            return cls(_int_field(data, "start", where), _int_field(data, "width", where),
-                       _field(data, "dtype", where), raw)
-        except ValueError as exc:
-            raise ValueError(f"{where}: {exc}") from None
 
 
 @dataclass(frozen=True)
@@ -272,7 +137,7 @@ class BlockRecord:
         """Parse a dict from ``to_dict``; ValueError names the bad field. The version, purity and
         plain-step, proposer and teacher fields may be missing or null (records captured before they
         existed): None, True, 0, "drafter" and None. A teacher has exactly K + 1 rows."""
-        data = _require_dict(data, where)
+        data = require_dict(data, where)
         version = data.get("drafter_version")
         if version is not None and not isinstance(version, str):
             raise ValueError(f"{where}.drafter_version must be a str or null, got {version!r}")
@@ -282,7 +147,7 @@ class BlockRecord:
         is_pure = data.get("is_context_pure")
         if is_pure is not None and not isinstance(is_pure, bool):
             raise ValueError(f"{where}.is_context_pure must be a bool or null, got {is_pure!r}")
-        draft_tokens = _token_tuple(data, "draft_tokens", where)
+        draft_tokens = token_tuple(data, "draft_tokens", where)
         num_drafted = data.get("num_drafted")
         if num_drafted is not None and (isinstance(num_drafted, bool) or not isinstance(num_drafted, int)
                                         or num_drafted <= len(draft_tokens)):
@@ -296,12 +161,12 @@ class BlockRecord:
                                  f"{len(draft_tokens)} draft tokens has {len(draft_tokens) + 1} "
                                  f"(drafted positions + bonus)")
         return cls(
-            anchor=_int_field(data, "anchor", where),
+            anchor=int_field(data, "anchor", where),
             draft_tokens=draft_tokens,
-            num_accepted=_int_field(data, "num_accepted", where),
+            num_accepted=int_field(data, "num_accepted", where),
             drafter_version=version,
             is_context_pure=True if is_pure is None else is_pure,
-            num_plain_steps=_count_field(data, "num_plain_steps", where),
+            num_plain_steps=count_field(data, "num_plain_steps", where),
             proposer=DRAFTER if proposer is None else proposer,
             num_drafted=num_drafted,
             teacher=teacher,
@@ -353,23 +218,23 @@ class SequenceRecord:
     @classmethod
     def from_dict(cls, data: Any) -> "SequenceRecord":
         """Parse a dict from ``to_dict``; ValueError names the bad field."""
-        data = _require_dict(data, "record")
-        blocks = _field(data, "blocks", "record")
+        data = require_dict(data, "record")
+        blocks = required_field(data, "blocks", "record")
         if not isinstance(blocks, (list, tuple)):
             raise ValueError(f"record.blocks must be a list, got {type(blocks).__name__}")
         return cls(
-            record_id=_str_field(data, "record_id"),
-            model_id=_str_field(data, "model_id"),
-            drafter_version=_str_field(data, "drafter_version"),
-            temperature=_float_field(data, "temperature"),
-            top_p=_float_field(data, "top_p"),
-            top_k=_int_field(data, "top_k", "record"),
-            tokens=_token_tuple(data, "tokens", "record"),
-            prompt_len=_int_field(data, "prompt_len", "record"),
+            record_id=str_field(data, "record_id"),
+            model_id=str_field(data, "model_id"),
+            drafter_version=str_field(data, "drafter_version"),
+            temperature=float_field(data, "temperature"),
+            top_p=float_field(data, "top_p"),
+            top_k=int_field(data, "top_k", "record"),
+            tokens=token_tuple(data, "tokens", "record"),
+            prompt_len=int_field(data, "prompt_len", "record"),
             blocks=tuple(BlockRecord.from_dict(b, f"record.blocks[{i}]") for i, b in enumerate(blocks)),
-            events=_events(data.get("events", ())),
-            captured_at=_optional_float(data, "captured_at"),
-            replica=_optional_str(data, "replica"),
+            events=events_field(data.get("events", ())),
+            captured_at=optional_float(data, "captured_at"),
+            replica=optional_str(data, "replica"),
             hidden=None if data.get("hidden") is None else TargetHidden.from_dict(data["hidden"]),
         )
 
@@ -397,90 +262,6 @@ def pure_blocks_by_version(record: SequenceRecord) -> dict[str, list[BlockRecord
             version = record.drafter_version if block.drafter_version is None else block.drafter_version
             out.setdefault(version, []).append(block)
     return out
-
-
-def _require_dict(data: Any, where: str) -> dict:
-    if not isinstance(data, dict):
-        raise ValueError(f"{where} must be a dict, got {type(data).__name__}")
-    return data
-
-
-def _field(data: dict, name: str, where: str) -> Any:
-    if name not in data:
-        raise ValueError(f"{where}.{name} is missing")
-    return data[name]
-
-
-def _is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def _is_number(value: Any) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
-
-
-def _rows(data: dict, name: str, where: str) -> list:
-    """A non-empty list of lists (a [rows][k] table)."""
-    value = _field(data, name, where)
-    if not isinstance(value, (list, tuple)) or not value \
-            or not all(isinstance(row, (list, tuple)) for row in value):
-        raise ValueError(f"{where}.{name} must be a non-empty list of lists")
-    return list(value)
-
-
-def _int_field(data: dict, name: str, where: str) -> int:
-    value = _field(data, name, where)
-    if not _is_int(value):
-        raise ValueError(f"{where}.{name} must be an int, got {value!r}")
-    return value
-
-
-def _count_field(data: dict, name: str, where: str) -> int:
-    """An optional non-negative int: 0 when missing or null."""
-    value = data.get(name)
-    if value is None:
-        return 0
-    if not _is_int(value) or value < 0:
-        raise ValueError(f"{where}.{name} must be a non-negative int or null, got {value!r}")
-    return value
-
-
-def _str_field(data: dict, name: str) -> str:
-    value = _field(data, name, "record")
-    if not isinstance(value, str):
-        raise ValueError(f"record.{name} must be a str, got {value!r}")
-    return value
-
-
-def _float_field(data: dict, name: str) -> float:
-    value = _field(data, name, "record")
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise ValueError(f"record.{name} must be a number, got {value!r}")
-    return float(value)
-
-
-def _optional_float(data: dict, name: str) -> float:
-    return _float_field(data, name) if name in data else 0.0
-
-
-def _optional_str(data: dict, name: str) -> str:
-    return "" if data.get(name) is None else _str_field(data, name)
-
-
-def _token_tuple(data: dict, name: str, where: str) -> tuple[int, ...]:
-    value = _field(data, name, where)
-    if not isinstance(value, (list, tuple)) or not all(_is_int(t) and t >= 0 for t in value):
-        raise ValueError(f"{where}.{name} must be a list of non-negative ints")
-    return tuple(value)
-
-
-def _events(value: Any) -> tuple[dict, ...]:
-    if not isinstance(value, (list, tuple)):
-        raise ValueError(f"record.events must be a list, got {type(value).__name__}")
-    for i, event in enumerate(value):
-        if not isinstance(event, dict) or not _is_int(event.get("anchor_before")):
-            raise ValueError(f"record.events[{i}] must be a dict with an int 'anchor_before'")
-    return tuple(dict(e) for e in value)
 
 
 def check_fidelity(record: SequenceRecord) -> list[str]:
