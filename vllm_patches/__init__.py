@@ -132,7 +132,7 @@ def register() -> None:
     if not os.environ.get(CAPTURE_ENV):
         return
     check_vllm_version()
-    from vllm_patches import capture, request_checks
+    from vllm_patches import capture_hooks, request_checks
 
     request_checks.install()  # in the API server: a malformed opt-out flag gets vLLM's 400
-    capture.install_from_env()
+    capture_hooks.install_from_env()

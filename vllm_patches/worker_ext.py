@@ -192,9 +192,9 @@ class OnlineOPDWorkerExtension:
                       if path is not None and (path / CONFIG_FILE).is_file() else None)
             state = self._online_opd = {"path": path, "version": version, "config": config,
                                         "pinned_current": None, "reloads": {"ok": 0, "refused": 0, "failed": 0}}
-            from vllm_patches import capture
+            from vllm_patches import capture_hooks
 
-            if (cap := capture.current()) is not None and version is not None:
+            if (cap := capture_hooks.current()) is not None and version is not None:
                 cap.version = version
         return state
 
@@ -249,9 +249,9 @@ class OnlineOPDWorkerExtension:
         version = checkpoint_version(ckpt)
         state.update(path=ckpt, version=version, pinned_current=pinned_current)
         state["reloads"]["ok"] += 1
-        from vllm_patches import capture
+        from vllm_patches import capture_hooks
 
-        if (cap := capture.current()) is not None:
+        if (cap := capture_hooks.current()) is not None:
             cap.set_version(version, is_cache_reset)
         from vllm_patches import draft_trim
 
@@ -288,17 +288,17 @@ class OnlineOPDWorkerExtension:
     def online_opd_flush_capture(self, timeout: float = 10.0) -> dict | None:
         """Write this worker's captured records now (the API server calls it before stopping the
         engine, whose shutdown kills the worker processes); None where nothing is captured."""
-        from vllm_patches import capture
+        from vllm_patches import capture_hooks
 
-        cap = capture.current()
+        cap = capture_hooks.current()
         return None if cap is None else {"written": cap.flush(timeout), **cap.stats()}
 
     def online_opd_status(self) -> dict:
         """Drafter version serving, reload counts and capture figures of this worker."""
         state = self._online_opd_state()
-        from vllm_patches import capture, dflash_context, draft_trim, ngram_fallback
+        from vllm_patches import capture_hooks, dflash_context, draft_trim, ngram_fallback
 
-        cap, fallback, trim = capture.current(), ngram_fallback.current(), draft_trim.current()
+        cap, fallback, trim = capture_hooks.current(), ngram_fallback.current(), draft_trim.current()
         return {"version": state["version"], "path": str(state["path"]) if state["path"] else None,
                 "pinned_current": state["pinned_current"], "reloads": dict(state["reloads"]),
                 "capture": cap.stats() if cap is not None else None,

@@ -61,7 +61,7 @@ def main(target: str, out_dir: str) -> None:
     from online_opd.models.target_model import TargetModel
     from online_opd.traces.buffer import BufferReader
     from serve.engine import chat_prompt_ids, generate, make_llm, shutdown
-    from vllm_patches import capture
+    from vllm_patches import capture_hooks
 
     tokenizer = AutoTokenizer.from_pretrained(target)
     prompts = chat_prompt_ids(tokenizer, [[{"role": "user", "content": p}] for p in PROMPTS])
@@ -77,7 +77,7 @@ def main(target: str, out_dir: str) -> None:
     for temperature in (0.0, 0.8):
         for g in generate(llm, prompts, max_tokens=MAX_TOKENS, temperature=temperature, seed=1, progress=False):
             temperatures[tuple(g.prompt_ids + g.output_ids)] = temperature
-    cap = capture.current()
+    cap = capture_hooks.current()
     stats = cap.stats() if cap is not None else {}
     if cap is not None:
         cap.close()
