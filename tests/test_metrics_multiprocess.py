@@ -2,7 +2,7 @@
 
 With ``--api-server-count N`` every /metrics answer is read from the metric files
 of all processes, never from a process's collectors, so API server 0 mirrors its
-collectors into multiprocess metrics (``vllm_patches.metrics.MultiprocessMirror``).
+collectors into multiprocess metrics (``vllm_patches.metrics_multiprocess.MultiprocessMirror``).
 The fast tests run the mirror in a child process with ``PROMETHEUS_MULTIPROC_DIR``
 set (prometheus-client chooses its value store at import) and compare what
 multiprocess /metrics shows with what the same collectors show in one process.
@@ -29,8 +29,8 @@ CHILD = r"""
 import json, sys
 from prometheus_client import CollectorRegistry, generate_latest, multiprocess
 from serve.scrape import parse_metrics
-from vllm_patches.metrics import (MultiprocessMirror, PolledCollector, ServedAcceptance, SpeculationCollector,
-                                  TrainerCollector, is_multiprocess)
+from vllm_patches.metrics import PolledCollector, ServedAcceptance, SpeculationCollector, TrainerCollector
+from vllm_patches.metrics_multiprocess import MultiprocessMirror, is_multiprocess
 
 assert is_multiprocess()
 data = {}

@@ -244,7 +244,7 @@ def test_records_and_the_shared_trainer_name_the_replica_alike(tmp_path):
 
 
 def test_the_poll_pacer_polls_a_working_engine_and_rarely_an_idle_one():
-    from vllm_patches.metrics import PollPacer
+    from vllm_patches.engine_poll import PollPacer
 
     pacer = PollPacer(settle_s=30, idle_poll_s=60)
 
@@ -270,7 +270,7 @@ def test_the_poll_pacer_polls_a_working_engine_and_rarely_an_idle_one():
 def test_engine_activity_reads_vllm_token_counters_and_request_gauges():
     from prometheus_client import CollectorRegistry, Counter, Gauge
 
-    from vllm_patches.metrics import ACTIVITY_SERIES, engine_activity, sample_sums
+    from vllm_patches.engine_poll import ACTIVITY_SERIES, engine_activity, sample_sums
 
     def activity(registry):
         return engine_activity(sample_sums(registry, ACTIVITY_SERIES))

@@ -63,23 +63,24 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict
 
 from vllm_patches import SERVE_ENV
-from vllm_patches.metrics import (
+from vllm_patches.engine_poll import (
     ACTIVITY_SERIES,
-    NGRAM_FALLBACK_COUNTERS,
     SPEC_SERIES,
-    MultiprocessMirror,
-    PolledCollector,
     PollPacer,
+    engine_activity,
+    sample_sums,
+    spec_totals,
+)
+from vllm_patches.metrics import (
+    NGRAM_FALLBACK_COUNTERS,
+    PolledCollector,
     ServedAcceptance,
     SpeculationCollector,
     TrainerCollector,
     drafter_totals,
-    engine_activity,
-    is_multiprocess,
-    sample_sums,
     server_metrics,
-    spec_totals,
 )
+from vllm_patches.metrics_multiprocess import MultiprocessMirror, is_multiprocess
 from vllm_patches.reloader import RegistryFollower
 from vllm_patches.speculation_loop import PolicySettings, SpeculationPolicyLoop
 

@@ -12,16 +12,15 @@ defaults to one API server per rank) vLLM runs prometheus-client in
 multiprocess mode: each API server is a process of its own, and every /metrics
 answer is read from the metric files of all of them, never from a process's
 collectors. There only API server 0 polls, and :class:`MultiprocessMirror`
-copies its collectors' figures into multiprocess metrics (endpoint.py).
+copies its collectors' figures into multiprocess metrics (metrics_multiprocess.py,
+called from endpoint.py). When the server polls the engine: engine_poll.py.
 """
 
 from __future__ import annotations
 
-import math
-import os
 from typing import Any, Callable
 
-from prometheus_client import Counter, Gauge, Histogram
+from prometheus_client import Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector, CollectorRegistry
 
@@ -293,64 +292,6 @@ class ServedAcceptance:
         return family
 
 
-SPEC_SERIES = ("vllm:spec_decode_num_drafts_total", "vllm:spec_decode_num_accepted_tokens_total")
-# vLLM's series that move while the engine has work: token counters and request gauges
-ACTIVITY_SERIES = ("vllm:prompt_tokens_total", "vllm:generation_tokens_total", "vllm:num_requests_running",
-                   "vllm:num_requests_waiting")
-
-
-def sample_sums(registry: CollectorRegistry, names: tuple[str, ...]) -> dict[str, float]:
-    """Each named sample summed over its labels (engines), in one pass over a registry in this process."""
-    totals = dict.fromkeys(names, 0.0)
-    for family in registry.collect():
-        for sample in family.samples:
-            if sample.name in totals:
-                totals[sample.name] += sample.value
-    return totals
-
-
-def spec_totals(registry: CollectorRegistry) -> tuple[float, float]:
-    """vLLM's cumulative (drafts, accepted tokens) from a registry in this process."""
-    return tuple(sample_sums(registry, SPEC_SERIES).values())  # type: ignore[return-value]
-
-
-def engine_activity(sums: dict[str, float]) -> tuple[float, ...]:
-    """A signature of the engine's work from ``sample_sums`` of ``ACTIVITY_SERIES``: it changes exactly
-    when tokens were computed since the last one, or while requests are running or waiting."""
-    return tuple(sums[name] for name in ACTIVITY_SERIES)
-
-
-class PollPacer:
-    """When the server polls the engine's workers: every poll while the engine works and for
-    ``settle_s`` after it stopped (the buffer writer flushes and retries after the traffic), then once
-    every ``idle_poll_s``.
-
-    Why not always: each ``collective_rpc`` is a read of vLLM's shared-memory message queue, and a
-    reader busy-waits on that queue for a second after every read (vLLM's ``SpinCondition``). Polled
-    every few seconds, an idle engine's worker spins on its core a good part of the time; polled more
-    often than once a second (the test configs), it never stops. On CPU that core is the one vLLM bound
-    the worker's OpenMP threads to, and a process that pins itself there, as MKL does to count cores
-    when torch is imported, can wait for minutes (a trainer child, a second replica on the machine)."""
-
-    def __init__(self, settle_s: float, idle_poll_s: float):
-        self.settle_s = settle_s
-        self.idle_poll_s = idle_poll_s
-        self._activity: tuple[float, ...] | None = None
-        self._active_at = -math.inf  # no work seen yet: a fresh engine is idle
-        self._polled_at: float | None = None
-
-    def due(self, now: float, activity: tuple[float, ...]) -> bool:
-        """Whether to poll the workers now, given vLLM's activity signature."""
-        if self._activity is not None and activity != self._activity:
-            self._active_at = now
-        self._activity = activity
-        return (self._polled_at is None or now - self._active_at <= self.settle_s
-                or now - self._polled_at >= self.idle_poll_s)
-
-    def polled(self, now: float) -> None:
-        self._polled_at = now
-
-
 def server_metrics(registry: CollectorRegistry) -> dict[str, Any]:
     """Metrics owned by the server process (reloads, rollbacks, gate, trainer)."""
     return {
@@ -446,59 +387,3 @@ class SpeculationCollector(Collector):
             if n:
                 family.add_metric([bucket, str(k)], total / n)
         return family
-
-
-def is_multiprocess() -> bool:
-    """True when prometheus-client runs in multiprocess mode (vLLM sets this for N > 1 API servers)."""
-    return bool(os.environ.get("PROMETHEUS_MULTIPROC_DIR") or os.environ.get("prometheus_multiproc_dir"))
-
-
-class MultiprocessMirror:
-    """Collectors' figures copied into multiprocess-mode metrics, so that /metrics shows them.
-
-    ``update`` collects each collector and writes what it yields: a counter sample is increased by
-    its change since the last copy (one that went down, like a restarted trainer's, counts as a reset
-    and is increased by its new value); a gauge sample is set (mode ``mostrecent``: one process, the
-    leader, writes it). A gauge sample written before and not yielded now (the trainer went down,
-    a drafter version stopped serving, a batch-size range left the schedule) is set to NaN:
-    prometheus-client cannot remove samples in multiprocess mode. Counter samples stay.
-    """
-
-    def __init__(self, collectors: list[Collector]):
-        self._collectors = list(collectors)
-        self._metrics: dict[str, Counter | Gauge] = {}
-        self._counts: dict[tuple[str, tuple[str, ...]], float] = {}
-        self._gauges: set[tuple[str, tuple[str, ...]]] = set()
-
-    def update(self) -> None:
-        written: set[tuple[str, tuple[str, ...]]] = set()
-        for collector in self._collectors:
-            for family in collector.collect():
-                for sample in family.samples:
-                    if family.type == "counter" and sample.name.endswith("_total"):
-                        self._count(family, sample.labels, sample.value)
-                    elif family.type == "gauge":
-                        self._child(family, sample.labels).set(sample.value)
-                        written.add((family.name, tuple(sample.labels.values())))
-        for name, values in self._gauges - written:
-            metric = self._metrics[name]
-            (metric.labels(*values) if values else metric).set(math.nan)
-        self._gauges |= written
-
-    def _count(self, family, labels: dict[str, str], value: float) -> None:
-        key = (family.name, tuple(labels.values()))
-        last = self._counts.get(key, 0.0)
-        delta = value - last if value >= last else value
-        self._counts[key] = value
-        child = self._child(family, labels)  # made even at 0: the sample shows, as its collector shows it
-        if delta > 0:
-            child.inc(delta)
-
-    def _child(self, family, labels: dict[str, str]):
-        metric = self._metrics.get(family.name)
-        if metric is None:
-            kind = Counter if family.type == "counter" else Gauge
-            extra = {} if kind is Counter else {"multiprocess_mode": "mostrecent"}
-            metric = self._metrics[family.name] = kind(family.name, family.documentation, list(labels),
-                                                       registry=None, **extra)
-        return metric.labels(*labels.values()) if labels else metric
