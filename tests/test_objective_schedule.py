@@ -13,7 +13,14 @@ from online_opd.release.registry import DrafterRegistry
 from online_opd.traces.records import BlockRecord, SequenceRecord
 from online_opd.train.online import OnlineTrainer
 from online_opd.train.opd import objective_fn, offline_objective
-from tests.test_online_trainer import _config, _setup, world  # noqa: F401  (world: the fixture)
+from tests.online_world import make_world, online_config, setup_run
+
+
+@pytest.fixture(scope="module")
+def world(tmp_path_factory):
+    """tests/online_world.py's world, built once for this module."""
+    return make_world(tmp_path_factory.mktemp("online"))
+
 
 
 def _schedule(**kw) -> ObjectiveSchedule:
@@ -168,7 +175,7 @@ def test_offline_auto_chooses_once_from_the_records_blocks():
 
 
 def _auto_config(**auto) -> OnlineOPDConfig:
-    cfg = _config()
+    cfg = online_config()
     # the tiny world's drafter accepts its first token in 13 of 351 blocks (a1 0.037): up_at below it
     cfg.trainer = TrainerConfig.model_validate({
         **cfg.trainer.model_dump(), "objective": "auto",
@@ -177,8 +184,8 @@ def _auto_config(**auto) -> OnlineOPDConfig:
     return cfg
 
 
-def test_online_trainer_switches_reports_and_resumes_the_schedule(world, tmp_path):  # noqa: F811
-    paths = _setup(world, tmp_path)
+def test_online_trainer_switches_reports_and_resumes_the_schedule(world, tmp_path):
+    paths = setup_run(world, tmp_path)
     trainer = OnlineTrainer(_auto_config(), **paths)
     assert trainer.stats()["objective"] == "target_rollout"
     assert trainer.stats()["first_position_acceptance"] is None
@@ -202,19 +209,19 @@ def test_online_trainer_switches_reports_and_resumes_the_schedule(world, tmp_pat
     assert resumed.stats()["objective"] == "draft_opd" and resumed.stats()["objective_switches"] == 1
 
     # a state saved with a fixed objective: the window is rebuilt from the resumed pools
-    fixed = OnlineTrainer(_config(), **_setup(world, tmp_path / "fixed"))
+    fixed = OnlineTrainer(online_config(), **setup_run(world, tmp_path / "fixed"))
     fixed.poll()
     fixed.step()
     fixed.save()
-    rebuilt = OnlineTrainer(_auto_config(), **_setup(world, tmp_path / "fixed"))
+    rebuilt = OnlineTrainer(_auto_config(), **setup_run(world, tmp_path / "fixed"))
     assert rebuilt.schedule.num_blocks == len(blocks) and rebuilt.schedule.switches == []
     assert rebuilt.step() is not None and rebuilt.stats()["objective"] == "draft_opd"
 
 
-def test_online_trainer_with_a_fixed_objective_reports_it(world, tmp_path):  # noqa: F811
-    cfg = _config()
+def test_online_trainer_with_a_fixed_objective_reports_it(world, tmp_path):
+    cfg = online_config()
     cfg.trainer.objective = "target_rollout"
-    trainer = OnlineTrainer(cfg, **_setup(world, tmp_path))
+    trainer = OnlineTrainer(cfg, **setup_run(world, tmp_path))
     trainer.poll()
     assert trainer.schedule is None and trainer.step()["objective"] == "target_rollout"
     stats = trainer.stats()

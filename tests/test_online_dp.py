@@ -27,8 +27,15 @@ from online_opd.config import AutoObjectiveConfig
 from online_opd.release.registry import DrafterRegistry
 from online_opd.train import online_dp
 from online_opd.train.online import OnlineTrainer
-from tests.test_online_trainer import K, _config, _setup, world  # noqa: F401  (world: the fixture)
+from tests.online_world import K, make_world, online_config, setup_run
 from tests.tiny import tiny_drafter, tiny_target
+
+
+@pytest.fixture(scope="module")
+def world(tmp_path_factory):
+    """tests/online_world.py's world, built once for this module."""
+    return make_world(tmp_path_factory.mktemp("online"))
+
 
 TOLERANCE = 1e-5
 NUM_RESUMED = 1  # steps before the state both runs resume from
@@ -37,7 +44,7 @@ NUM_AFTER_RELOAD = 2
 
 
 def _cfg(max_steps: int, objective: str = "draft_opd"):
-    cfg = _config(max_steps=max_steps, num_threads=1)
+    cfg = online_config(max_steps=max_steps, num_threads=1)
     cfg.trainer.sequences_per_step = 3
     cfg.gate.every_steps = 1000  # no gate: it changes no weights and would only cost time
     cfg.trainer.objective = objective
@@ -127,13 +134,13 @@ def _one_process(paths: dict, objective: str) -> tuple[list[float], dict[str, to
 
 
 @pytest.mark.parametrize("objective", ["draft_opd", "auto"])
-def test_two_ranks_train_online_as_one_process_and_a_reload_reaches_the_replicas(world, tmp_path,  # noqa: F811
+def test_two_ranks_train_online_as_one_process_and_a_reload_reaches_the_replicas(world, tmp_path,
                                                                                  objective):
     """With auto the replicas take each step's objective from rank 0 (theirs would say "auto")."""
-    one_losses, one_weights = _one_process(_setup(world, tmp_path / "one"), objective)
+    one_losses, one_weights = _one_process(setup_run(world, tmp_path / "one"), objective)
     assert len(set(one_losses)) == len(one_losses)  # different steps, not a constant
 
-    paths = _setup(world, tmp_path / "dp")
+    paths = setup_run(world, tmp_path / "dp")
     _first_steps(paths, objective)
     out = tmp_path / "rank0.pt"
     mp.spawn(_rank, args=(str(tmp_path / "init"), paths, str(out), objective), nprocs=2, join=True)
@@ -155,20 +162,20 @@ def test_two_ranks_train_online_as_one_process_and_a_reload_reaches_the_replicas
 
 
 @pytest.mark.slow
-def test_trainer_actor_trains_on_two_ray_train_workers_answers_stats_and_saves_on_stop(world, tmp_path):  # noqa: F811
+def test_trainer_actor_trains_on_two_ray_train_workers_answers_stats_and_saves_on_stop(world, tmp_path):
     """`trainer.num_workers: 2`: the TrainerActor runs rank 0 and a replica as Ray Train workers on a
     local Ray; rank 0's figures reach the actor's ``stats``, and a stop ends both ranks with the state saved."""
     ray = pytest.importorskip("ray")
     from serve.trainer_actor import start_trainer, stop_trainer
-    from tests.test_online_trainer import _wait_for
+    from tests.online_world import wait_for_stats
 
-    paths = _setup(world, tmp_path)
+    paths = setup_run(world, tmp_path)
     cfg = _cfg(max_steps=None)
     cfg.trainer.num_workers = 2
     cfg.gate.every_steps = 2
     handle = start_trainer(cfg, **paths)
     try:
-        training = _wait_for(handle, lambda s: s.get("steps", 0) >= 3, timeout=300)
+        training = wait_for_stats(handle, lambda s: s.get("steps", 0) >= 3, timeout=300)
         assert training["num_workers"] == 2 and training["running"] and training["errors"] == 0
         assert training["gates"] >= 1 and training["last_published"] is not None
         final = stop_trainer(handle)

@@ -1,5 +1,5 @@
 """The online trainer on tiny real models: records served by speculative decoding, a real buffer,
-registry and state folder; one test runs it as a real (local) Ray actor."""
+registry and state folder (as a Ray actor: tests/test_online_trainer_ray.py)."""
 
 from __future__ import annotations
 
@@ -8,64 +8,27 @@ import dataclasses
 import math
 import threading
 import time
-from pathlib import Path
 
 import pytest
 import torch
 
-from online_opd.config import OnlineOPDConfig, TrainerConfig
+from online_opd.config import TrainerConfig
 from online_opd.models.target_model import TargetModel
-from online_opd.opd.specdec import speculative_generate, target_generate
+from online_opd.opd.specdec import target_generate
 from online_opd.release.gate import split_held_out
 from online_opd.release.registry import DrafterRegistry
-from online_opd.traces.buffer import SegmentWriter
 from online_opd.traces.records import BlockRecord, SequenceRecord
 from online_opd.train.loop import train
 from online_opd.train.online import OnlineTrainer
 from online_opd.train.sequences import TrainSequence, compute_aux_hidden
 from online_opd.train.sft import sample_anchors, sft_loss
-from tests.tiny import tiny_drafter, tiny_target
-
-K = 4
-HELD_OUT = 0.3
-SPLIT_PREFIX = 4  # the prompts are 4 tokens long: each record is keyed by its whole prompt
+from tests.online_world import HELD_OUT, SPLIT_PREFIX, K, make_world, online_config, setup_run
 
 
 @pytest.fixture(scope="module")
 def world(tmp_path_factory):
-    """A saved tiny target, its drafter, and 16 greedy requests served with that drafter."""
-    root = tmp_path_factory.mktemp("online")
-    target = tiny_target(seed=1)
-    target.model.save_pretrained(root / "target")
-    drafter = tiny_drafter(target, block_size=K, seed=2)
-    records = []
-    for i in range(16):
-        prompt = torch.randint(1, 60, (4,), generator=torch.Generator().manual_seed(i)).tolist()
-        result = speculative_generate(target, drafter, prompt, max_new_tokens=24)
-        records.append(result.to_record(record_id=f"req-{i}", model_id="tiny", drafter_version="v0001",
-                                        temperature=0.0))
-    return {"root": root, "drafter": drafter, "records": records}
-
-
-def _config(**online) -> OnlineOPDConfig:
-    return OnlineOPDConfig.model_validate({
-        "trainer": {"lr": 3e-3, "warmup_ratio": 0.0, "sequences_per_step": 2, "anchors_per_sequence": 4},
-        "gate": {"every_steps": 3, "min_records": 2, "max_records": 8, "held_out_fraction": HELD_OUT,
-                 "split_prefix_tokens": SPLIT_PREFIX},
-        "online": {"settle_s": 0.0, "poll_s": 0.05, "min_records": 2, "checkpoint_every": 2, **online},
-    })
-
-
-def _setup(world, tmp_path: Path, records=None) -> dict:
-    """A buffer holding `records` (default: the world's) in two segments and a registry serving v0001."""
-    records = world["records"] if records is None else records
-    writer = SegmentWriter(tmp_path / "buffer", writer_id="test")
-    writer.write(records[: len(records) // 2])
-    writer.write(records[len(records) // 2:])
-    registry = DrafterRegistry(tmp_path / "registry")
-    registry.promote(registry.publish(world["drafter"]).version, reason="bootstrap")
-    return {"target_path": world["root"] / "target", "buffer_dir": tmp_path / "buffer",
-            "registry_dir": tmp_path / "registry", "state_dir": tmp_path / "state"}
+    """tests/online_world.py's world, built once for this module."""
+    return make_world(tmp_path_factory.mktemp("online"))
 
 
 def _weights(trainer: OnlineTrainer) -> dict[str, torch.Tensor]:
@@ -88,7 +51,7 @@ def test_poll_routes_records_and_drops_invalid_ones(world, tmp_path):
                                   blocks=(BlockRecord(b.anchor, b.draft_tokens[:2], min(b.num_accepted, 2)),))
     good = good + [empty, short_k]
     extra = [invalid, too_short]
-    trainer = OnlineTrainer(_config(), **_setup(world, tmp_path, good + extra))
+    trainer = OnlineTrainer(online_config(), **setup_run(world, tmp_path, good + extra))
 
     kept = trainer.poll()
     train, held_out = split_held_out(good, HELD_OUT, SPLIT_PREFIX)
@@ -114,9 +77,9 @@ def test_poll_routes_records_and_drops_invalid_ones(world, tmp_path):
 def test_trained_tokens_are_the_served_tokens_of_the_replayed_blocks(world, tmp_path):
     """Every block replayed (anchors_per_sequence above any record's count): the step's trained tokens are
     the r + 1 tokens each of the two newest records' blocks emitted."""
-    cfg = _config(fresh_fraction=1.0)
+    cfg = online_config(fresh_fraction=1.0)
     cfg.trainer.anchors_per_sequence = 1000
-    trainer = OnlineTrainer(cfg, **_setup(world, tmp_path))
+    trainer = OnlineTrainer(cfg, **setup_run(world, tmp_path))
     trainer.poll()
     newest = [trainer.pools.fresh[r] for r in list(trainer.pools.fresh)[-2:]]
     stats = trainer.step()
@@ -125,7 +88,7 @@ def test_trained_tokens_are_the_served_tokens_of_the_replayed_blocks(world, tmp_
 
 
 def test_step_trains_fresh_records_first(world, tmp_path):
-    trainer = OnlineTrainer(_config(fresh_fraction=1.0), **_setup(world, tmp_path))
+    trainer = OnlineTrainer(online_config(fresh_fraction=1.0), **setup_run(world, tmp_path))
     assert trainer.step() is None  # nothing polled yet
     trainer.poll()
     newest = list(trainer.pools.fresh)[-2:]
@@ -144,7 +107,7 @@ def test_step_trains_fresh_records_first(world, tmp_path):
 def test_a_duty_cycle_rests_three_times_its_work_at_a_quarter(world, tmp_path):
     """`online.duty_cycle` 0.25: after each step the trainer waits 3x the time the step (and its poll and
     gate) took, so it computes a quarter of its wall time; the rests are counted in its stats."""
-    trainer = OnlineTrainer(_config(duty_cycle=0.25, max_steps=2), **_setup(world, tmp_path))
+    trainer = OnlineTrainer(online_config(duty_cycle=0.25, max_steps=2), **setup_run(world, tmp_path))
     started = time.monotonic()
     stats = trainer.run(threading.Event())
     wall = time.monotonic() - started
@@ -155,7 +118,7 @@ def test_a_duty_cycle_rests_three_times_its_work_at_a_quarter(world, tmp_path):
     stop = threading.Event()
     stop.set()
     assert trainer.rest(stop, time.monotonic() - 1.0) == 0.0  # a set stop ends the rest
-    back_to_back = OnlineTrainer(_config(), **_setup(world, tmp_path / "b"))
+    back_to_back = OnlineTrainer(online_config(), **setup_run(world, tmp_path / "b"))
     assert back_to_back.rest(threading.Event(), time.monotonic() - 1.0) == 0.0
     assert back_to_back.stats()["rest_seconds"] == 0.0
 
@@ -163,7 +126,7 @@ def test_a_duty_cycle_rests_three_times_its_work_at_a_quarter(world, tmp_path):
 def test_rest_follows_the_engine_load(world, tmp_path):
     """Busy engines: the rest keeps to `duty_cycle`; idle ones (`idle_duty_cycle` 1): no rest, and a
     rest under way ends within a check once the load reports turn idle."""
-    trainer = OnlineTrainer(_config(duty_cycle=0.25, idle_duty_cycle=1.0, idle_after_s=0.0), **_setup(world, tmp_path))
+    trainer = OnlineTrainer(online_config(duty_cycle=0.25, idle_duty_cycle=1.0, idle_after_s=0.0), **setup_run(world, tmp_path))
     trainer.note_engine_load("replica", True)
     assert not trainer.stats()["engines_idle"]
     assert 0.55 < trainer.rest(threading.Event(), time.monotonic() - 0.2, check_s=0.05) < 0.9
@@ -179,7 +142,7 @@ def test_rest_follows_the_engine_load(world, tmp_path):
 def test_a_zero_duty_cycle_trains_only_while_the_engines_are_idle(world, tmp_path):
     """`online.duty_cycle` 0: records are read, but no step starts while the engines serve (or before any
     load report); the first idle report lets it train."""
-    trainer = OnlineTrainer(_config(duty_cycle=0.0, idle_after_s=0.0, max_steps=1), **_setup(world, tmp_path))
+    trainer = OnlineTrainer(online_config(duty_cycle=0.0, idle_after_s=0.0, max_steps=1), **setup_run(world, tmp_path))
     stop = threading.Event()
     runner = threading.Thread(target=trainer.run, args=(stop,))
     runner.start()
@@ -201,8 +164,8 @@ def test_a_zero_duty_cycle_trains_only_while_the_engines_are_idle(world, tmp_pat
 
 
 def test_run_gates_publishes_and_resumes(world, tmp_path):
-    paths = _setup(world, tmp_path)
-    cfg = _config(max_steps=3)
+    paths = setup_run(world, tmp_path)
+    cfg = online_config(max_steps=3)
     cfg.gate.margin = float(K)  # tau lies in [1, K + 1]: no tau gain clears a margin of K, the gate rejects
     trainer = OnlineTrainer(cfg, **paths)
     final = trainer.run(threading.Event())
@@ -223,7 +186,7 @@ def test_run_gates_publishes_and_resumes(world, tmp_path):
     assert final["last_gate"]["status"] == "rejected"
 
     # a new trainer on the same state resumes: same step, weights, counters; pools rebuilt, none fresh
-    resumed = OnlineTrainer(_config(max_steps=4), **paths)
+    resumed = OnlineTrainer(online_config(max_steps=4), **paths)
     assert resumed.step_count == 3 and resumed.pools.cursor == trainer.pools.cursor
     assert all(torch.equal(a, b) for a, b in zip(_weights(trainer).values(), _weights(resumed).values()))
     stats = resumed.stats()
@@ -233,15 +196,15 @@ def test_run_gates_publishes_and_resumes(world, tmp_path):
     assert resumed.poll() == 0
     assert resumed.run(threading.Event())["steps"] == 4
     # a smaller window is refilled with the newest train records only
-    small = OnlineTrainer(_config(window_records=3), **paths)
+    small = OnlineTrainer(online_config(window_records=3), **paths)
     train, _ = split_held_out(world["records"], HELD_OUT, SPLIT_PREFIX)
     assert small.step_count == 4
     assert [r.record_id for r in small.pools.window] == [r.record_id for r in train[-3:]]
 
 
 def test_lr_warms_up_linearly_then_stays_constant_across_a_resume(world, tmp_path):
-    paths = _setup(world, tmp_path)
-    cfg = _config()
+    paths = setup_run(world, tmp_path)
+    cfg = online_config()
     cfg.trainer.warmup_ratio = 0.002  # W = round(0.002 * 1000 steps) = 2; lr(s) = 3e-3 * min(s / W, 1)
     trainer = OnlineTrainer(cfg, **paths)
     trainer.poll()
@@ -274,8 +237,8 @@ def memorised(world, tmp_path_factory):
 def test_gate_promotes_a_better_candidate_and_training_goes_on(world, memorised, tmp_path):
     """The trainer starts from the memorised drafter; then a worse one is made current (as a manual
     rollback would): the gate compares with whatever serves now, and promotes."""
-    paths = _setup({**world, "drafter": memorised}, tmp_path)
-    cfg = _config()
+    paths = setup_run({**world, "drafter": memorised}, tmp_path)
+    cfg = online_config()
     cfg.trainer.lr = 1e-5
     trainer = OnlineTrainer(cfg, **paths)
     registry = DrafterRegistry(paths["registry_dir"])
@@ -301,14 +264,14 @@ def test_held_out_pool_keeps_the_newest_record_of_each_prompt(world, tmp_path):
     _, held_out = split_held_out(world["records"], HELD_OUT, SPLIT_PREFIX)
     assert len(held_out) >= 3
     repeats = [dataclasses.replace(r, record_id=f"again-{r.record_id}") for r in held_out[:2]] * 3
-    trainer = OnlineTrainer(_config(), **_setup(world, tmp_path, world["records"] + repeats))
+    trainer = OnlineTrainer(online_config(), **setup_run(world, tmp_path, world["records"] + repeats))
     assert trainer.poll() == len(world["records"]) + len(repeats)
     ids = [r.record_id for r in trainer.pools.held_out]
     assert ids == [r.record_id for r in held_out[2:]] + [f"again-{r.record_id}" for r in held_out[:2]]
     assert trainer.gate()["n_prompts"] == len(held_out)  # each prompt once, however often it came back
-    cfg = _config()
+    cfg = online_config()
     cfg.gate.max_records = cfg.gate.min_records = 2
-    trainer = OnlineTrainer(cfg, **_setup(world, tmp_path / "capped", world["records"] + repeats))
+    trainer = OnlineTrainer(cfg, **setup_run(world, tmp_path / "capped", world["records"] + repeats))
     trainer.poll()
     assert [r.record_id for r in trainer.pools.held_out] == [f"again-{r.record_id}" for r in held_out[:2]]
 
@@ -328,7 +291,7 @@ def plain_records(world):
 
 
 def test_replay_plan_uses_logged_blocks_or_simulates_the_current_drafter(world, tmp_path):
-    trainer = OnlineTrainer(_config(), **_setup(world, tmp_path))
+    trainer = OnlineTrainer(online_config(), **setup_run(world, tmp_path))
     served = world["records"][0]  # greedy, every decode step speculated with the drafter now current
     assert trainer.replay_plan(served) == served and trainer.stats()["records_simulated"] == 0
     # served without speculation: the current drafter's walk, at T = 0 the very blocks it logged
@@ -349,9 +312,9 @@ def test_replay_plan_uses_logged_blocks_or_simulates_the_current_drafter(world, 
 def test_a_fresh_drafter_that_never_speculated_learns_from_plain_records(world, plain_records, tmp_path):
     """No record has a block: every replay runs on the blocks the current drafter simulates over the
     record, the gate scores held-out records on the serving drafter's walk, and held-out tau rises."""
-    cfg = _config()
+    cfg = online_config()
     cfg.trainer.anchors_per_sequence = 8
-    trainer = OnlineTrainer(cfg, **_setup(world, tmp_path, plain_records))
+    trainer = OnlineTrainer(cfg, **setup_run(world, tmp_path, plain_records))
     assert trainer.poll() == len(plain_records) and trainer.stats()["records_unusable"] == 0
     num_held_out = len(trainer.pools.held_out)
     assert 2 <= num_held_out < len(plain_records) // 2
@@ -378,8 +341,8 @@ def test_a_repeating_failure_is_logged_once_per_occurrence_and_counted_each_time
     from online_opd.files import atomic_write_json
     from online_opd.models.drafters.checkpoint import WEIGHTS_FILE
 
-    paths = _setup(world, tmp_path)
-    trainer = OnlineTrainer(_config(), **paths)
+    paths = setup_run(world, tmp_path)
+    trainer = OnlineTrainer(online_config(), **paths)
     registry = DrafterRegistry(paths["registry_dir"])
     torn = registry.publish(registry.path("v0001"), parent="v0001").version
     weights = registry.path(torn) / WEIGHTS_FILE
@@ -416,108 +379,7 @@ def test_a_repeating_failure_is_logged_once_per_occurrence_and_counted_each_time
 
 
 def test_sft_objective_is_refused(world, tmp_path):
-    cfg = _config()
+    cfg = online_config()
     cfg.trainer.objective = "sft"
     with pytest.raises(ValueError, match="SFT is the offline"):
-        OnlineTrainer(cfg, **_setup(world, tmp_path))
-
-
-def _wait_for(handle, condition, timeout: float = 120.0) -> dict:
-    from serve.trainer_actor import trainer_stats
-
-    deadline, stats = time.monotonic() + timeout, None
-    while time.monotonic() < deadline:
-        stats = trainer_stats(handle, timeout=5)
-        if stats is not None and condition(stats):
-            return stats
-        time.sleep(0.3)
-    raise AssertionError(f"trainer actor did not get there in {timeout}s; last stats: {stats}")
-
-
-@pytest.mark.slow
-def test_ray_actor_trains_publishes_resumes_after_a_crash_and_stops(world, tmp_path):
-    ray = pytest.importorskip("ray")
-    from serve.trainer_actor import start_trainer, stop_trainer, trainer_stats
-
-    paths = _setup(world, tmp_path)
-    registry = DrafterRegistry(paths["registry_dir"])
-    handle = start_trainer(_config(max_steps=6), **paths)
-    try:
-        done = _wait_for(handle, lambda s: s["status"] == "stopped")
-        assert done["steps"] == 6 and done["gates"] == 2 and done["errors"] == 0 and not done["running"]
-        assert done["last_published"] == "v0003" and len(registry.list()) == 3
-
-        ray.kill(handle, no_restart=False)  # a crash: Ray restarts the actor, which resumes from its state
-        again = _wait_for(handle, lambda s: s["pid"] != done["pid"] and s["status"] == "stopped")
-        assert again["steps"] == 6 and again["gates"] == 2  # counters restored ...
-        assert len(registry.list()) == 3  # ... and nothing retrained or published again
-
-        final = stop_trainer(handle)
-        assert final is not None and final["status"] == "stopped"
-        assert (paths["state_dir"] / "trainer_state.pt").exists()
-        assert trainer_stats(handle, timeout=5) is None  # the actor is gone
-    finally:
-        ray.shutdown()
-
-
-def test_a_shared_trainer_counts_its_replicas_and_refuses_another_buffer(world, tmp_path):
-    from serve.trainer_actor import TrainerActor
-
-    paths = _setup(world, tmp_path)
-    actor = TrainerActor(_config().model_dump(mode="json"), *(str(paths[k]) for k in
-                         ("target_path", "buffer_dir", "registry_dir", "state_dir")), autostart=False)
-    assert actor.attach("a", str(paths["buffer_dir"]), str(paths["registry_dir"])) == ["a"]
-    assert actor.stats("b")["replicas"] == ["a", "b"]  # a poll attaches (a replica whose attach was lost)
-    with pytest.raises(ValueError, match="must share one buffer and one registry"):
-        actor.attach("c", str(tmp_path / "elsewhere"), str(paths["registry_dir"]))
-    assert actor.detach("a") == ["b"]
-    actor._replicas["b"] -= 1000.0  # b stopped polling long ago (crashed without detaching)
-    assert actor.detach("z", lease_s=120.0) == []  # so it no longer keeps the trainer alive
-
-
-@pytest.mark.slow
-def test_replicas_joining_one_cluster_share_one_trainer(world, tmp_path):
-    """Two servers' trainer children (serve/trainer_process.py) joined to one `ray start --head`: one
-    named, detached trainer actor serves both; the first to leave leaves it training, the last stops it."""
-    import os
-    import subprocess
-    import sys
-
-    from serve.trainer_process import TrainerProcess, TrainerSpec
-    from tests.ray_cluster import ray_head
-
-    paths = {k: str(v) for k, v in _setup(world, tmp_path).items()}
-    env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_")}
-    with ray_head(env, num_cpus=2) as address:
-        config = _config(ray_address=address, num_cpus=1).model_dump(mode="json")
-        a, b = (TrainerProcess(TrainerSpec(config=config, replica=name, **paths), backoff_s=(1.0, 2.0))
-                for name in ("replica-a", "replica-b"))
-        a.start()
-        b.start()
-        try:
-            _wait(lambda: a.stats().get("replicas") == b.stats().get("replicas") == ["replica-a", "replica-b"],
-                  timeout=240)
-            assert a.stats()["pid"] == b.stats()["pid"]  # one actor
-            _wait(lambda: b.stats().get("steps", 0) >= 2, timeout=240)
-            a.stop(timeout=60)  # the first replica leaves: training goes on for the other
-            steps = b.stats()["steps"]
-            _wait(lambda: b.stats().get("steps", 0) > steps and b.stats()["replicas"] == ["replica-b"], timeout=120)
-        finally:
-            a.stop(timeout=60)
-            b.stop(timeout=60)  # the last one leaves: the trainer stops, its state saved
-        assert (Path(paths["state_dir"]) / "trainer_state.pt").exists()
-        gone = subprocess.run([sys.executable, "-c", (
-            "import ray, sys\n"
-            "from online_opd.config import load_config\n"
-            "from serve.trainer_actor import init_ray\n"
-            f"init_ray(load_config(None, ['online.ray_address={address}']).online)\n"  # the replicas' namespace
-            "try:\n    ray.get_actor('online-opd-trainer')\nexcept ValueError:\n    sys.exit(3)\n")],
-            env=env, capture_output=True, text=True, timeout=120)
-        assert gone.returncode == 3, gone.stderr[-2000:]  # no trainer left on the cluster
-
-
-def _wait(condition, timeout: float) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        assert time.monotonic() < deadline, "not reached in time"
-        time.sleep(0.5)
+        OnlineTrainer(cfg, **setup_run(world, tmp_path))
