@@ -15,6 +15,7 @@ import torch
 from online_opd.config import GateConfig, TrainerConfig
 from online_opd.opd.rollout import pooled_acceptance_length
 from online_opd.opd.specdec import processed_probs, speculative_generate, verify_greedy, verify_rejection
+from online_opd.release import gate as gate_module
 from online_opd.release.gate import (
     evaluate_gate,
     gate_anchors,
@@ -196,13 +197,20 @@ def test_too_few_records_fail_with_the_reason(target, serving, trained, records)
     json.dumps(empty.to_dict(), allow_nan=False)
 
 
-def test_a_repeated_prompt_is_one_sample_not_many(target, serving, trained, records):
+def test_a_repeated_prompt_is_one_sample_not_many(target, serving, trained, records, monkeypatch):
     """Records sharing a held-out key (here: the same prompt, served again; at T = 0 the same sequence)
     are averaged into one sample: repeating 3 prompts 4 times changes neither the bound nor the count
-    the decision needs, where counting records would claim 12 independent samples."""
+    the decision needs, where counting records would claim 12 independent samples. A repeat is not
+    simulated again: 3 simulations for the 12 records."""
     three = evaluate_gate(target, trained, serving, records[:3], GateConfig(min_records=2))
     again = [dataclasses.replace(r, record_id=f"{r.record_id}-again{i}") for i in range(4) for r in records[:3]]
+    simulated = []
+    real_simulate = gate_module.simulate_record
+    monkeypatch.setattr(gate_module, "simulate_record",
+                        lambda target, drafters, rec, *a, **kw: simulated.append(rec.record_id)
+                        or real_simulate(target, drafters, rec, *a, **kw))
     repeated = evaluate_gate(target, trained, serving, again, GateConfig(min_records=2))
+    assert len(simulated) == 3, simulated
     assert (repeated.n_records, repeated.n_prompts, three.n_prompts) == (12, 3, 3)
     assert repeated.record_diff_mean == pytest.approx(three.record_diff_mean, abs=1e-12)
     assert repeated.record_diff_lower == pytest.approx(three.record_diff_lower, abs=1e-12)

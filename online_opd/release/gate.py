@@ -319,6 +319,11 @@ def most_recent(records: Sequence[SequenceRecord], count: int) -> list[SequenceR
 
 
 @torch.no_grad()
+def _simulation_inputs(rec: SequenceRecord) -> tuple:
+    """What ``evaluate_gate``'s simulation of a record depends on: equal inputs, equal expectations."""
+    return (rec.tokens, rec.prompt_len, rec.temperature, rec.top_p, rec.top_k, rec.blocks, rec.hidden)
+
+
 def evaluate_gate(
     target: TargetModel,
     candidate,
@@ -334,23 +339,28 @@ def evaluate_gate(
     (the newest ``cfg.max_records``) and the promotion decision (module docstring):
     records sharing a held-out key (``held_out_key`` with ``cfg.split_prefix_tokens``) are one
     sample, and ``cfg.min_records`` counts such prompts. ``max_blocks_per_record`` defaults to
-    ``cfg.max_blocks_per_record``; records are cut after the last anchor below ``max_tokens``."""
+    ``cfg.max_blocks_per_record``; records are cut after the last anchor below ``max_tokens``. A record
+    whose simulation inputs equal an earlier one's (``_simulation_inputs``) reuses its expectations."""
     start = time.perf_counter()
     cap = max_blocks_per_record or cfg.max_blocks_per_record
     by_prompt: dict[bytes, list[float]] = {}
     sums, n_blocks, n_walked = [0.0, 0.0], 0, 0
+    scored: dict[tuple, torch.Tensor | None] = {}  # a record's inputs -> its [2, M] expectations
     for rec in tqdm(most_recent(records, cfg.max_records), desc="gate", unit="rec", disable=not progress):
         is_walked = not rec.blocks
-        blocks = (walk_blocks(target, serving, rec, cap, max_tokens, cfg.captured_features) if is_walked
-                  else gate_blocks(rec, cap, max_tokens))
-        if not blocks:
+        inputs = _simulation_inputs(rec)
+        if inputs not in scored:  # a repeat (the same request served again, T = 0) is not simulated again
+            blocks = (walk_blocks(target, serving, rec, cap, max_tokens, cfg.captured_features) if is_walked
+                      else gate_blocks(rec, cap, max_tokens))
+            scored[inputs] = None if not blocks else simulate_record(
+                target, (candidate, serving), rec, [b.anchor for b in blocks], [b.drafted_width for b in blocks],
+                captured_features=cfg.captured_features, greedy_from_tokens=rec.temperature == 0,
+            )[0].double().cpu()  # [2, M]
+        expected = scored[inputs]
+        if expected is None:
             continue
-        expected, _ = simulate_record(target, (candidate, serving), rec, [b.anchor for b in blocks],
-                                      [b.drafted_width for b in blocks], captured_features=cfg.captured_features,
-                                      greedy_from_tokens=rec.temperature == 0)  # [2, M]
-        expected = expected.double().cpu()
         sums = [sums[0] + float(expected[0].sum()), sums[1] + float(expected[1].sum())]
-        n_blocks += len(blocks)
+        n_blocks += expected.shape[1]
         n_walked += is_walked
         by_prompt.setdefault(held_out_key(rec, cfg.split_prefix_tokens), []).append(
             float((expected[0] - expected[1]).mean()))
