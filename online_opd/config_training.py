@@ -36,6 +36,16 @@ class AutoObjectiveConfig(StrictModel):
     min_blocks: int = Field(256, ge=1, description="Blocks needed in the window before any decision.")
     min_steps_between_switches: int = Field(
         50, ge=0, description="Optimizer steps after a switch before the next one may come.")
+    trial_gates: int = Field(
+        8, ge=0, description="Gates in a row on strong that promote nothing, with candidates below the serving "
+                             "version (trial_confidence bound), after which the schedule goes back to weak and "
+                             "the trainer restarts from the serving version (0: never).")
+    retry_margin: float = Field(
+        0.1, ge=0, le=1, description="After a failed trial of strong, up_at becomes the trial's position-1 "
+                                     "acceptance plus this.")
+    trial_confidence: float = Field(
+        0.9, ge=0.5, lt=1, description="Confidence of the upper bound on the trial gates' mean tau difference "
+                                       "(candidate - serving) that must be <= 0 to end a trial.")
 
     @model_validator(mode="after")
     def _consistent(self) -> AutoObjectiveConfig:

@@ -8,7 +8,7 @@ import json
 import pytest
 
 from online_opd.config import ConfigError, OnlineOPDConfig, TrainerConfig, load_config
-from online_opd.opd.objective_schedule import ObjectiveSchedule, Switch
+from online_opd.opd.objective_schedule import ObjectiveSchedule, Switch, upper_bound
 from online_opd.release.registry import DrafterRegistry
 from online_opd.traces.records import BlockRecord, SequenceRecord
 from online_opd.train.online import OnlineTrainer
@@ -126,12 +126,80 @@ def test_state_round_trips_through_json_and_refuses_other_objectives():
     assert again.state_dict() == before
 
 
+def test_the_gate_ends_a_failed_trial_of_the_strong_objective():
+    """The 30-min domain-shift runs' pattern: after the switch, Draft-OPD candidates score below the
+    serving version gate after gate. After trial_gates of them (upper 90% t bound of their mean
+    difference <= 0) the schedule goes back to weak and only tries again above the trial's a1 +
+    retry_margin."""
+    schedule = _schedule(trial_gates=3, retry_margin=0.1, min_steps_between_switches=0)
+    schedule.observe(_blocks(0.62, 100))
+    assert schedule.choose(1) == "draft_opd"
+    assert schedule.gate_outcome(25, False, -0.01) is False
+    assert schedule.gate_outcome(50, False, float("nan")) is False  # no blocks: not counted
+    assert schedule.gate_outcome(75, False, -0.012) is False  # 2 of 3
+    schedule.observe(_blocks(0.65, 100))  # a1 rose during the trial: the new bar is above both
+    # mean -0.014, sd 0.0053, t(0.9, 2) 1.886: bound -0.014 + 1.886 * 0.0053 / sqrt(3) = -0.0082 <= 0
+    assert schedule.gate_outcome(100, False, -0.02) is True
+    assert schedule.current == "target_rollout" and schedule.up_at_now == pytest.approx(0.75)
+    assert schedule.switches[-1] == Switch(100, "draft_opd", "target_rollout", 0.65, 100, reason="gate")
+    assert schedule.choose(101) == "target_rollout"  # 0.65 >= up_at 0.6, but below the raised bar
+    schedule.observe(_blocks(0.75, 100))
+    assert schedule.choose(102) == "draft_opd"
+    assert schedule.gate_outcome(125, False, -0.05) is False  # a new trial: one gate so far
+
+
+def test_a_trial_goes_on_while_candidates_improve_plateau_or_get_promoted():
+    plateau = _schedule(trial_gates=8, min_steps_between_switches=0)
+    plateau.observe(_blocks(0.7, 100))
+    plateau.choose(1)
+    # target-rollout's 8 gates at steps 250-425 of the 30-min seed-1 run: mean -0.001, bound +0.003
+    diffs = [-0.002, -0.002, -0.005, 0.005, 0.006, -0.003, -0.017, 0.008]
+    assert not any(plateau.gate_outcome(25 * i, False, d) for i, d in enumerate(diffs, start=1))
+    assert upper_bound(diffs, 0.9) == pytest.approx(0.0027, abs=1e-4) and plateau.current == "draft_opd"
+    schedule = _schedule(trial_gates=2, min_steps_between_switches=0)
+    schedule.observe(_blocks(0.7, 100))
+    schedule.choose(1)
+    assert not schedule.gate_outcome(25, False, 0.01) and not schedule.gate_outcome(50, False, 0.02)  # > 0
+    assert not schedule.gate_outcome(75, False, -0.01)  # the last 2: mean +0.005
+    assert not schedule.gate_outcome(100, True, -0.003)  # promoted
+    assert not schedule.gate_outcome(125, False, -0.01)  # a promotion started the count again: 1 of 2
+    assert schedule.current == "draft_opd"
+    weak = _schedule(trial_gates=1)  # on weak the gate decides nothing
+    assert not weak.gate_outcome(25, False, -1.0) and weak.current == "target_rollout"
+    off = _schedule(trial_gates=0, min_steps_between_switches=0)
+    off.observe(_blocks(0.7, 100))
+    off.choose(1)
+    assert not any(off.gate_outcome(25 * i, False, -1.0) for i in range(1, 20)) and off.current == "draft_opd"
+
+
+def test_the_trial_state_round_trips_and_old_states_load():
+    schedule = _schedule(trial_gates=2, min_steps_between_switches=0)
+    schedule.observe(_blocks(0.7, 100))
+    schedule.choose(1)
+    schedule.gate_outcome(25, False, -0.01)
+    schedule.gate_outcome(50, False, -0.01)
+    schedule.gate_outcome(75, False, -0.02)  # a fresh trial? no: back on weak after 50, this one is ignored
+    state = json.loads(json.dumps(schedule.state_dict()))
+    again = _schedule(trial_gates=2)
+    again.load_state_dict(state)
+    assert again.state_dict() == schedule.state_dict() and again.up_at_now == pytest.approx(0.8)
+    assert again.switches[-1].reason == "gate"
+    old = {k: v for k, v in state.items() if k not in ("raised_up_at", "trial")}
+    old["switches"] = [{k: v for k, v in s.items() if k != "reason"} for s in old["switches"]]
+    before_rule = _schedule()
+    before_rule.load_state_dict(old)  # a state written before the trial rule
+    assert before_rule.up_at_now == 0.6 and before_rule.switches[-1].reason == "acceptance"
+
+
 @pytest.mark.parametrize("kw, match", [
     ({"strong": "target_rollout"}, "must differ"),
     ({"down_at": 0.6}, "down_at < up_at"),
     ({"up_at": 1.2}, "down_at < up_at"),
     ({"min_blocks": 101}, "min_blocks <= window_blocks"),
     ({"min_steps_between_switches": -1}, ">= 0"),
+    ({"trial_gates": -1}, "trial_gates >= 0"),
+    ({"retry_margin": 1.5}, "retry_margin <= 1"),
+    ({"trial_confidence": 1.0}, "trial_confidence < 1"),
 ])
 def test_settings_are_checked(kw, match):
     with pytest.raises(ValueError, match=match):
@@ -209,13 +277,35 @@ def test_online_trainer_switches_reports_and_resumes_the_schedule(world, tmp_pat
     assert resumed.stats()["objective"] == "draft_opd" and resumed.stats()["objective_switches"] == 1
 
     # a state saved with a fixed objective: the window is rebuilt from the resumed pools
-    fixed = OnlineTrainer(online_config(), **setup_run(world, tmp_path / "fixed"))
+    fixed_cfg = online_config()
+    fixed_cfg.trainer.objective = "target_rollout"  # (the config's default is auto)
+    fixed = OnlineTrainer(fixed_cfg, **setup_run(world, tmp_path / "fixed"))
     fixed.poll()
     fixed.step()
     fixed.save()
     rebuilt = OnlineTrainer(_auto_config(), **setup_run(world, tmp_path / "fixed"))
     assert rebuilt.schedule.num_blocks == len(blocks) and rebuilt.schedule.switches == []
     assert rebuilt.step() is not None and rebuilt.stats()["objective"] == "draft_opd"
+
+
+def test_a_failed_trial_sends_the_trainer_back_to_the_serving_weights(world, tmp_path):
+    """The online trainer reports each gate to the schedule; when the trial ends it restarts from the
+    serving version with a fresh optimizer and trains with the weak objective again."""
+    cfg = _auto_config(trial_gates=1, retry_margin=0.5)
+    cfg.gate.margin = 10.0  # no candidate can pass
+    paths = setup_run(world, tmp_path)
+    trainer = OnlineTrainer(cfg, **paths)
+    trainer.poll()
+    assert trainer.objective_name() == "draft_opd"
+    optimizer = trainer.optimizer
+    gate = trainer.gate()  # the untrained candidate scores exactly the serving version's tau: diff 0
+    assert gate["status"] == "rejected" and gate["tau_candidate"] == gate["tau_serving"]
+    assert trainer.schedule.current == "target_rollout" and trainer.schedule.switches[-1].reason == "gate"
+    assert trainer.schedule.up_at_now == pytest.approx(trainer.stats()["first_position_acceptance"] + 0.5)
+    assert trainer.optimizer is not optimizer and trainer.stats()["trained_from"] == gate["serving"]
+    serving = DrafterRegistry(paths["registry_dir"]).current()
+    assert trainer.objective_name() == "target_rollout" and trainer.stats()["objective_switches"] == 2
+    assert trainer.step()["objective"] == "target_rollout" and serving.version == gate["serving"]
 
 
 def test_online_trainer_with_a_fixed_objective_reports_it(world, tmp_path):

@@ -170,8 +170,8 @@ class OnlineTrainer:
             self._stats["objective_switches"] = len(self.schedule.switches)
         for switch in self.schedule.switches[self._logged_switches:]:  # each once (rank 0 asks twice a step)
             logger.info("online trainer: objective %s -> %s at step %d (position-1 acceptance %.3f over %d "
-                        "blocks)", switch.before, switch.after, switch.step, switch.first_position_acceptance,
-                        switch.num_blocks)
+                        "blocks; by %s)", switch.before, switch.after, switch.step, switch.first_position_acceptance,
+                        switch.num_blocks, switch.reason)
         self._logged_switches = len(self.schedule.switches)
         return name
 
@@ -288,6 +288,12 @@ class OnlineTrainer:
             self._stats["last_published"] = info.version
             if result.passed:  # the served weights are this trainer's own now
                 self._stats["trained_from"] = info.version
+        if self.schedule is not None and self.schedule.gate_outcome(self.step_count, result.passed,
+                                                                    result.tau_candidate - result.tau_serving):
+            logger.warning("online trainer: %d gates on %s promoted nothing and its candidates scored no better "
+                           "than %s; back to %s from %s's weights", self.schedule.trial_gates,
+                           self.schedule.strong, current.version, self.schedule.weak, current.version)
+            self._restart_from(current)
         return summary
 
     def sync_with_registry(self) -> bool:
@@ -299,15 +305,20 @@ class OnlineTrainer:
             trained_from = self._stats["trained_from"]
         if current is None or current.version == trained_from:
             return False
-        self.drafter = self._load_drafter(current.path)
-        self.block_size = self.drafter.cfg.block_size
-        self.optimizer, self.scheduler = self._new_optimizer()
+        self._restart_from(current)
         with self._lock:
-            self._stats["trained_from"] = current.version
             self._stats["resyncs"] += 1
         logger.warning("online trainer: the registry serves %s, not %s that these weights came from; "
                        "reloaded %s with a fresh optimizer", current.version, trained_from, current.version)
         return True
+
+    def _restart_from(self, version) -> None:
+        """Train on from registry ``version``'s weights with a fresh optimizer and schedule."""
+        self.drafter = self._load_drafter(version.path)
+        self.block_size = self.drafter.cfg.block_size
+        self.optimizer, self.scheduler = self._new_optimizer()
+        with self._lock:
+            self._stats["trained_from"] = version.version
 
     def _new_optimizer(self) -> tuple[torch.optim.Optimizer, torch.optim.lr_scheduler.LambdaLR]:
         return new_optimizer(self.drafter, self.cfg.trainer)
