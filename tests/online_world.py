@@ -31,7 +31,7 @@ def make_world(root: Path) -> dict:
         result = speculative_generate(target, drafter, prompt, max_new_tokens=24)
         records.append(result.to_record(record_id=f"req-{i}", model_id="tiny", drafter_version="v0001",
                                         temperature=0.0))
-    return {"root": root, "drafter": drafter, "records": records}
+    return {"root": root, "target": target, "drafter": drafter, "records": records}
 
 
 def online_config(**online) -> OnlineOPDConfig:

@@ -10,28 +10,18 @@ import torch
 
 from online_opd.config import OnlineOPDConfig, TrainerConfig
 from online_opd.models.drafters.checkpoint import load_drafter
-from online_opd.opd.specdec import speculative_generate
 from online_opd.release.registry import DrafterRegistry
 from online_opd.traces.buffer import SegmentWriter
 from online_opd.train.loop import train
 from online_opd.train.online import OnlineTrainer
-from tests.tiny import tiny_drafter, tiny_target
+from tests.online_world import make_world
+from tests.tiny import tiny_drafter
 
 
 @pytest.fixture(scope="module")
 def world(tmp_path_factory):
-    """A saved tiny target, a drafter, and 16 greedy requests served with it."""
-    root = tmp_path_factory.mktemp("resume")
-    target = tiny_target(seed=1)
-    target.model.save_pretrained(root / "target")
-    drafter = tiny_drafter(target, block_size=4, seed=2)
-    records = []
-    for i in range(16):
-        prompt = torch.randint(1, 60, (4,), generator=torch.Generator().manual_seed(i)).tolist()
-        result = speculative_generate(target, drafter, prompt, max_new_tokens=24)
-        records.append(result.to_record(record_id=f"req-{i}", model_id="tiny", drafter_version="v0001",
-                                        temperature=0.0))
-    return {"root": root, "target": target, "drafter": drafter, "records": records}
+    """tests/online_world.py's world (a saved tiny target, a drafter, 16 greedy requests served with it)."""
+    return make_world(tmp_path_factory.mktemp("resume"))
 
 
 def _config(**online) -> OnlineOPDConfig:
