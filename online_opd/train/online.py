@@ -126,6 +126,7 @@ class OnlineTrainer:
         self.schedule = objective_schedule(tcfg)  # None: the fixed trainer.objective
         self._objectives: dict[str, Callable] = {}
         self._logged_switches = 0
+        self._weights_replaced = False
         self.generator = torch.Generator().manual_seed(tcfg.seed)
         self.pools = RecordPools(cfg, buffer_dir)
         self.step_count = 0
@@ -317,8 +318,15 @@ class OnlineTrainer:
         self.drafter = self._load_drafter(version.path)
         self.block_size = self.drafter.cfg.block_size
         self.optimizer, self.scheduler = self._new_optimizer()
+        self._weights_replaced = True
         with self._lock:
             self._stats["trained_from"] = version.version
+
+    def take_weights_replaced(self) -> bool:
+        """Whether the weights were replaced (a resync, a trial ended by the gate) since the last call:
+        data-parallel replicas must then receive them (train/online_dp.py)."""
+        replaced, self._weights_replaced = self._weights_replaced, False
+        return replaced
 
     def _new_optimizer(self) -> tuple[torch.optim.Optimizer, torch.optim.lr_scheduler.LambdaLR]:
         return new_optimizer(self.drafter, self.cfg.trainer)

@@ -15,9 +15,9 @@ collective that the others never reach:
 A step is then ``replay_update`` on every rank: ``replay_records`` replays the rank's slice with the
 same anchor draws (train/distributed.py), the gradients are summed over the ranks and every replica
 takes the same AdamW step, the single-process update up to float rounding. Whenever rank 0's weights
-change outside a step (start or resume, a resync after a rollback) ``broadcast_state`` sends its
-parameters, AdamW moments and schedule, so the replicas never drift; ``parameter_digests`` lets a test
-check that they have not. Who starts the ranks (serve/trainer_online_dp.py through Ray Train, tests
+change outside a step (start or resume, a resync after a rollback, a trial the gate ended: the
+trainer's ``take_weights_replaced``) ``broadcast_state`` sends its parameters, AdamW moments and
+schedule, so the replicas never drift; ``parameter_digests`` lets a test check that they have not. Who starts the ranks (serve/trainer_online_dp.py through Ray Train, tests
 through torch.multiprocessing) sets up the process group; this module never imports ray.
 """
 
@@ -183,13 +183,15 @@ def run_main(trainer: OnlineTrainer, stop: threading.Event) -> dict[str, Any]:
             if not is_stop:
                 try:
                     if time.monotonic() - last_poll >= ocfg.poll_s:
-                        reload = trainer.sync_with_registry() or reload
+                        trainer.sync_with_registry()
                         trainer.poll()
                         last_poll = time.monotonic()
                     start = time.perf_counter()
                     records = trainer.next_records() if trainer.may_step() else None  # the status says which
                 except Exception as exc:
                     trainer.record_error("step", exc)
+            # new weights on rank 0 (a resync after a rollback, a trial the gate ended): the replicas take them
+            reload = trainer.take_weights_replaced() or reload
             send_control(trainer, is_stop, records, reload)
             reload = False
             if is_stop:
