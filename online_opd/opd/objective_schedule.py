@@ -34,17 +34,20 @@ promote nothing while their candidates score below the serving version on the he
 upper ``trial_confidence`` Student-t bound of the mean tau difference over those gates is <= 0), the
 schedule switches back to ``weak`` (the trainer then restarts from the serving version) and raises
 its switch-up threshold to the trial's a1 plus ``retry_margin``. A bound, not the mean: a plateau
-also gives differences around 0 (target-rollout's candidates in one 30-min run: a mean of -0.001 over
-8 gates, bound +0.003), and a plateau is not a failure. Measured (README, domain shift 30 min): from the default bootstrap on HumanEval
-traffic, a1 reached 0.61-0.62 after 560-780 steps; the Draft-OPD candidates after the switch then
-scored below the serving target-rollout version in 29 of 31 gates (mean -0.017 and -0.026 tau) and
-none was promoted in the remaining 8-11 minutes, where target-rollout's candidates had hovered at or
-above it and passed every 100-800 s. So a1 0.6 is not yet the strong regime for these drafters, and
-the gate, not a fixed threshold, tells.
+also gives differences around 0 (target-rollout's candidates in one 30-min run: a mean of -0.001
+over 8 gates, bound +0.003), and a plateau is not a failure.
 
-Pure Python (and scipy's t quantile): ``observe`` takes the accepted counts of verified blocks, oldest first; ``choose(step)``
-returns the objective for that step and records a switch in ``switches``; ``state_dict`` /
-``load_state_dict`` carry it through the online trainer's state file.
+Measured (README, domain shift 30 min, 3 seeds): from the default bootstrap on HumanEval traffic, a1
+reached 0.60-0.62 after 450-780 steps (15-22 min); after the switch the Draft-OPD candidates scored
+below the serving target-rollout version in 51 of 57 gates (mean -0.017 to -0.028 tau) and none was
+promoted in the remaining 8-15 minutes. So a1 0.6 is not yet the strong regime for these drafters;
+the gate, not a fixed threshold, tells. Replayed on those gate logs, the rule ends each trial at its
+8th gate and never fires on target-rollout's stretches.
+
+Pure Python (and scipy's t quantile): ``observe`` takes the accepted counts of verified blocks, oldest
+first; ``choose(step)`` returns the objective for that step and records a switch in ``switches``;
+``gate_outcome`` takes each gate's result; ``state_dict`` / ``load_state_dict`` carry it through the
+online trainer's state file.
 """
 
 from __future__ import annotations
