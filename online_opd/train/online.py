@@ -1,69 +1,54 @@
 """The online trainer: tail the trace buffer, replay recent records with Draft-OPD, gate, publish.
 
-``OnlineTrainer`` is the whole trainer as plain Python; serve/trainer_actor.py
-runs it as a Ray actor (this module imports neither ray nor vllm).
+``OnlineTrainer`` is the whole trainer as plain Python; serve/trainer_actor.py runs it as a Ray actor (this
+module imports neither ray nor vllm).
 
-Data and sampling (the replay ratio): train/record_pools.py (``RecordPools``, held as ``pools``).
-Each sampled record contributes up to ``trainer.anchors_per_sequence`` random blocks, replayed in one
-packed pass (replay.py) and scored with ``trainer.objective`` exactly as the offline ``opd_step_fn`` does.
+Data and sampling (the replay ratio): train/record_pools.py (``RecordPools``, held as ``pools``). Each
+sampled record contributes up to ``trainer.anchors_per_sequence`` random blocks, replayed in one packed pass
+(replay.py) and scored with ``trainer.objective`` exactly as the offline ``opd_step_fn`` does.
 
-Blocks of any length; records without blocks (``opd.plan_replay``). Logged
-blocks of 1..K tokens replay as they are; a record served mostly or wholly
-without speculation (coverage below ``online.simulate_below_coverage``) is
-replayed on the blocks the *current* drafter would have drafted over it, at
-any temperature; such replays are counted as ``records_simulated``.
+Blocks of any length (``opd.plan_replay``): logged blocks of 1..K tokens replay as they are; a record served
+mostly without speculation (coverage below ``online.simulate_below_coverage``) replays, at any temperature,
+on the blocks the *current* drafter would have drafted over it (``records_simulated``).
 
 Objective. ``trainer.objective``, or with ``auto`` the objective schedule's choice
-(opd/objective_schedule.py): every polled record's verified blocks feed its window of
-position-1 acceptance, and each step asks it which of ``trainer.auto.weak`` / ``strong``
-to train with (``objective_name``); its state (window, switches) is saved with the trainer's.
+(opd/objective_schedule.py): every polled record's verified blocks feed its window of position-1 acceptance,
+and each step asks it which of ``trainer.auto.weak`` / ``strong`` to train with (``objective_name``); its
+state (window, switches) is saved with the trainer's. A switch to ``strong`` is a trial: ``gate`` reports
+each outcome to the schedule (``gate_outcome``), which may end it, and the trainer then restarts from the
+serving version.
 
-Schedule. AdamW from train/optim.py with transformers'
-``get_constant_schedule_with_warmup``: a linear warm-up over W =
-``round(trainer.warmup_ratio * trainer.num_steps)`` steps (lr * s / W at step
-s) and then a constant ``trainer.lr``. An endless run has no horizon for a
-cosine to decay over, and a decayed rate would stop the drafter from following
-drift in the traffic, which is the point of training online; the gate guards
-against a bad step reaching the servers.
+Schedule. AdamW (train/optim.py) with a linear warm-up over ``round(trainer.warmup_ratio *
+trainer.num_steps)`` steps, then a constant ``trainer.lr``: an endless run has no horizon to decay over,
+and a decayed rate would stop the drafter from following drift in the traffic; the gate guards the servers.
 
-Gate and publish. Every ``gate.every_steps`` steps the trainer's drafter is
-compared with the registry's current one on the held-out pool
-(``gate.evaluate_gate``), published as a new registry version whose parent is
-the serving version (manifest metrics: the gate's figures, the objective and
-the last step's figures), then promoted when the gate passed or rejected with
-the gate's reason. The trainer keeps its own weights either way: after a
-promotion they are the served ones; after a rejection further training may
-still pass a later gate. No copy is made for the gate: it runs between steps
-in the training thread, so the weights cannot change under it. When the
-registry's CURRENT is anything but the version the weights descend from
-(``trained_from``: the version started from, or the trainer's own last
-promoted one), because the reloader rolled back or someone promoted by hand,
-``sync_with_registry`` (at start-up and before every buffer poll) reloads the
-drafter from CURRENT with a fresh optimizer and schedule, so training never
-continues from weights the servers turned away.
+Gate and publish. Every ``gate.every_steps`` steps the trainer's drafter is compared with the registry's
+current one on the held-out pool (``gate.evaluate_gate``), published as a new registry version whose parent
+is the serving version (manifest metrics: the gate's figures, the objective and the last step's figures),
+then promoted when the gate passed or rejected with the gate's reason. The trainer keeps its own weights
+either way: after a promotion they are the served ones; after a rejection further training may still pass a
+later gate. The gate runs between steps in the training thread: no copy of the weights. When the registry's
+CURRENT is anything but the version the weights descend from (``trained_from``: the version started from, or
+the trainer's own last promoted one), because the reloader rolled back or someone promoted by hand,
+``sync_with_registry`` (at start-up and before every buffer poll) reloads the drafter from CURRENT with a
+fresh optimizer and schedule, so training never continues from weights the servers turned away.
 
-State. ``save`` writes the drafter, AdamW, schedule, step, RNG, the buffer
-cursor and the counters to ``state_dir`` (train/state.py: tmp + fsync +
-rename). A new ``OnlineTrainer`` on the same ``state_dir`` resumes from it:
-the weights come from the state, not from the registry, and the pools are
-rebuilt up to the saved cursor (``RecordPools.resume``: those records count as
-already trained on). Counting goes on from the saved counters. ``max_steps``
-counts all steps, resumed ones too.
+State. ``save`` writes the drafter, AdamW, schedule, step, RNG, the buffer cursor and the counters to
+``state_dir`` (train/state.py: tmp + fsync + rename). A new ``OnlineTrainer`` on the same ``state_dir``
+resumes from it: the weights come from the state, not from the registry, and the pools are rebuilt up to the
+saved cursor (``RecordPools.resume``: those records count as trained on). The counters go on; ``max_steps``
+counts resumed steps too.
 
 Data-parallel (``trainer.num_workers > 1``): this trainer is rank 0, the one that decides;
-train/online_dp.py runs its loop and the replicas of the other ranks.
+train/online_dp.py runs its loop and the replicas of the other ranks. ``online.num_threads`` bounds the
+process's intra-op threads (the engine keeps the other cores).
 
-Threads. ``torch.set_num_threads(online.num_threads)`` bounds the process's
-intra-op threads, so on the CPU default the trainer leaves the other cores to
-the serving engine.
-
-Sharing the engine's cores. After each step the trainer rests so that it computes
-``online.duty_cycle`` of its wall time while the engines serve, and
-``online.idle_duty_cycle`` once they have been idle for ``online.idle_after_s``
-(``EngineLoad``: each serving replica's trainer process reports its server's load,
-read from /metrics, through ``note_engine_load``). No report, or an unknown load,
-counts as serving. ``duty_cycle`` 0: no step starts while the engines serve
-(``may_step``; status "waiting_for_idle_engines"), the buffer is still tailed.
+Sharing the engine's cores. After each step the trainer rests so that it computes ``online.duty_cycle`` of
+its wall time while the engines serve, and ``online.idle_duty_cycle`` once they have been idle for
+``online.idle_after_s`` (``EngineLoad``: each serving replica's trainer process reports its server's load,
+read from /metrics, through ``note_engine_load``). No report, or an unknown load, counts as serving.
+``duty_cycle`` 0: no step starts while the engines serve (``may_step``; status "waiting_for_idle_engines"),
+the buffer is still tailed.
 """
 
 from __future__ import annotations
@@ -466,8 +451,7 @@ class OnlineTrainer:
                 self._stats["status"] = "waiting_for_data"
 
     def gate_and_checkpoint(self) -> None:
-        """After a step: the gate every ``gate.every_steps`` steps, a save every
-        ``online.checkpoint_every``."""
+        """After a step: the gate every ``gate.every_steps`` steps, a save every ``online.checkpoint_every``."""
         if self.step_count % self.cfg.gate.every_steps == 0:
             try:
                 self.gate()
