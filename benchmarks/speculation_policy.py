@@ -27,7 +27,8 @@ servers on identical requests (held-out ShareGPT prompts, temperature 0,
   to break down what a server costs against plain vLLM.
 
 `--prompts humaneval` measures on HumanEval (code: copy-heavy, a domain the
-drafter never saw) instead of held-out ShareGPT; `--concurrency` picks the loads.
+drafter never saw) instead of held-out ShareGPT (`--split` picks the prompts: with
+`--split held_out`, those benchmarks/domain_shift.py holds out); `--concurrency` picks the loads.
 
 A round starts one server per mode; each mode goes first in turn. Per
 server and concurrency: warm-up requests, then a fixed closed-loop load; the
@@ -93,7 +94,7 @@ def make_fresh_drafter(cfg_path: Path, out: Path) -> tuple[Path, Path]:
 
 def measure(url: str, args: argparse.Namespace) -> dict[str, Any]:
     out: dict[str, Any] = {}
-    split = "held_out" if args.prompts == "sharegpt" else "all"
+    split = args.split or ("held_out" if args.prompts == "sharegpt" else "all")
     if args.prewarm_s > 0:  # the same traffic for every server, so the policy measures before it is timed
         run_load(LoadConfig(base_url=f"{url}/v1", prompts=args.prompts, split=split, num_prompts=256,
                             max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True, concurrency=1,
@@ -263,6 +264,10 @@ def main() -> None:
                         help="with --ngram-fallback: also with --speculation always (mode always+ngram)")
     parser.add_argument("--prompts", choices=("sharegpt", "humaneval"), default="sharegpt",
                         help="held-out ShareGPT (default) or HumanEval (code, a domain the drafter never saw)")
+    parser.add_argument("--split", choices=("train", "held_out", "all"), default=None,
+                        help="the prompts' split (default: held_out for ShareGPT, all for HumanEval); "
+                             "`--prompts humaneval --split held_out` are the prompts benchmarks/domain_shift.py "
+                             "never trains on")
     parser.add_argument("--concurrency", type=int, nargs="+", default=list(CONCURRENCIES),
                         help="closed-loop concurrencies measured (default 1 8 32)")
     parser.add_argument("--prewarm-s", type=float, default=0.0,
@@ -320,7 +325,8 @@ def main() -> None:
                  "no online-opd plugin",
         "ngram": f"the plain server plus vLLM's ngram speculation {json.dumps(NGRAM)}" if args.ngram else None,
         "max_tokens": args.max_tokens, "max_num_seqs": args.max_num_seqs,
-        "prompts": f"{'sharegpt held_out' if args.prompts == 'sharegpt' else 'humaneval'}, temperature 0, ignore_eos",
+        "prompts": f"{args.prompts} {args.split or ('held_out' if args.prompts == 'sharegpt' else 'all')}, "
+                   "temperature 0, ignore_eos",
         "ngram_fallback": "online-opd serve --ngram-fallback (online-opd+ngram), and with --speculation always "
                           "(always+ngram)" if args.ngram_fallback else None,
         "target": f"output tokens/s online-opd / plain >= {TARGET_RATIO} at each concurrency (median over rounds)",
