@@ -39,7 +39,7 @@ from online_opd.opd.replay import top_k_teacher
 from online_opd.traces.records import BlockRecord, SequenceRecord
 from online_opd.traces.target_signal import TargetHidden
 from online_opd.train.loop import train
-from online_opd.train.opd import objective_fn, replay_records
+from online_opd.train.opd import opd_step_fn
 
 LAYER_IDS = (1, 8, 14, 20, 27)  # the default drafter's target layers at SmolLM2-135M's 30 (runs/bootstrap)
 
@@ -126,15 +126,8 @@ def main() -> None:
     cfg = TrainerConfig(objective=args.objective, num_steps=args.warmup + args.steps, warmup_ratio=0.0,
                         sequences_per_step=args.sequences_per_step, anchors_per_sequence=args.anchors_per_sequence,
                         checkpoint_every=10**9, log_every=10**9)
-    objective, gen = objective_fn(cfg), torch.Generator().manual_seed(args.seed)
-    block_tokens: list[int] = []
-
-    def step_fn(_step: int):  # opd_step_fn's step, keeping the served tokens the online trainer counts
-        picks = torch.randint(len(records), (cfg.sequences_per_step,), generator=gen).tolist()
-        out = replay_records(target, drafter, [records[i] for i in picks], objective,
-                             anchors_per_sequence=cfg.anchors_per_sequence, generator=gen, device=device)
-        block_tokens.append(out.block_tokens)
-        return out.loss, {"replayed_tokens": out.num_replayed_tokens}
+    step_fn = opd_step_fn(target, drafter, records, cfg, generator=torch.Generator().manual_seed(args.seed),
+                          device=device)
 
     with tempfile.TemporaryDirectory() as run_dir:
         train(step_fn, drafter, cfg, Path(run_dir), progress=False)
@@ -151,7 +144,7 @@ def main() -> None:
         "sequences_per_step": args.sequences_per_step, "anchors_per_sequence": args.anchors_per_sequence,
         "steps_timed": len(timed), "median_step_s": round(step_s, 5),
         "replayed_tokens_per_s": round(sum(r["replayed_tokens"] for r in timed) / total_s, 1),
-        "trained_tokens_per_s": round(sum(block_tokens[args.warmup:]) / total_s, 1),
+        "trained_tokens_per_s": round(sum(r["block_tokens"] for r in timed) / total_s, 1),
         "final_loss": round(timed[-1]["loss"], 5), "setup_s": round(setup_s, 2),
     }
     if device.type == "cuda":

@@ -147,5 +147,9 @@ def test_draft_opd_on_records_improves_acceptance(tmp_path):
                         anchors_per_sequence=8, warmup_ratio=0.0, checkpoint_every=40)
     train(opd_step_fn(target, drafter, loaded, cfg), drafter, cfg, tmp_path / "run", progress=False)
     assert accepted() > before
+    # each step's served tokens of its replayed blocks (r + 1 each): at least 1 and at most K + 1 per block
+    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    k, most_blocks = drafter.cfg.block_size, cfg.sequences_per_step * cfg.anchors_per_sequence
+    assert len(rows) == 40 and all(1 <= r["block_tokens"] <= most_blocks * (k + 1) for r in rows)
     path = save_drafter(drafter, tmp_path / "out", parent_version="v0", step=40)
     assert load_drafter(path).cfg == drafter.cfg

@@ -210,7 +210,7 @@ def opd_step_fn(target, drafter, records: list[SequenceRecord], cfg: TrainerConf
                              anchors_per_sequence=cfg.anchors_per_sequence, generator=gen,
                              pooling=cfg.loss_pooling, device=device, use_teacher=cfg.captured_teacher)
         stats = {"accepted": out.accepted, "rejected": out.rejected,
-                 "replayed_tokens": out.num_replayed_tokens}
+                 "replayed_tokens": out.num_replayed_tokens, "block_tokens": out.block_tokens}
         return out.loss, stats
 
     return step_fn
