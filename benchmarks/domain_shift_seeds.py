@@ -4,8 +4,9 @@ Reads `domain_shift.json` files written by benchmarks/domain_shift.py, one or mo
 may be split over several invocations, e.g. `--arms auto --seed 1` and `--arms target_rollout,draft_opd
 --seed 1`). Runs are compared only when they share the held-out set and the static drafter's tau (same
 bootstrap, same prompts), the minutes per arm, the speculation mode, feature capture and the code the arms ran
-(`code_version`; `--allow-mixed-commits` to compare different code anyway); anything else is refused with the differing setting
-named. Per arm: the held-out tau of the version serving at the end of
+(`code_version`; `--allow-mixed-commits` to compare different code anyway, `--by-code` to compare an arm
+with itself on different code: each arm is then named `<arm>@<code>`); anything else is refused with the
+differing setting named. Per arm: the held-out tau of the version serving at the end of
 each seed's run (its last promotion or rollback), its ratio to the static drafter, mean and Student-t 95%
 interval over seeds, trainer steps and keep-up (trained / served tokens per second); per pair of arms:
 the paired difference on the seeds both ran. Prints JSON.
@@ -42,16 +43,18 @@ def settings(run: dict) -> dict:
     return out
 
 
-def collect(paths: list[Path], allow_mixed_commits: bool = False) -> tuple[dict, dict[str, dict[int, dict]]]:
+def collect(paths: list[Path], allow_mixed_commits: bool = False,
+            by_code: bool = False) -> tuple[dict, dict[str, dict[int, dict]]]:
     """(shared settings, {arm: {seed: figures}}); refuses runs that differ, an arm seen twice at a seed, and
-    (unless ``allow_mixed_commits``) runs of different code (``code_version``: the served and trained code,
-    whatever else the commits changed; else ``commit``; "unknown" for runs that recorded neither)."""
+    (unless ``allow_mixed_commits`` or ``by_code``) runs of different code (``code_version``: the served and
+    trained code, whatever else the commits changed; else ``commit``; "unknown" for runs that recorded
+    neither). ``by_code``: arms are keyed ``<arm>@<code>``, so the pairs compare code versions seed by seed."""
     shared, arms, commits = None, {}, set()
     for path in paths:
         run = json.loads(path.read_text())
         commit = run.get("code_version") or run.get("commit") or "unknown"
         commits.add(commit)
-        if len(commits) > 1 and not allow_mixed_commits:
+        if len(commits) > 1 and not (allow_mixed_commits or by_code):
             raise SystemExit(f"{path}: ran on code {commit}, the runs before it on {sorted(commits - {commit})}; "
                              "--allow-mixed-commits to compare them anyway")
         these = settings(run)
@@ -62,11 +65,12 @@ def collect(paths: list[Path], allow_mixed_commits: bool = False) -> tuple[dict,
             raise SystemExit(f"{path}: not comparable with the runs before it: {diff}")
         seed = int(run.get("seed", 0))
         for arm in run["arms"]:
-            if seed in arms.setdefault(arm["name"], {}):
-                raise SystemExit(f"{path}: arm {arm['name']} at seed {seed} appears twice")
+            name = f"{arm['name']}@{commit}" if by_code else arm["name"]
+            if seed in arms.setdefault(name, {}):
+                raise SystemExit(f"{path}: arm {name} at seed {seed} appears twice")
             end = arm["timeline"][-1]["tau_held_out"] if arm["timeline"] else run["static_tau"]
             keep_up = arm.get("keep_up") or {}
-            arms[arm["name"]][seed] = {"tau": float(end), "steps": arm.get("trainer_steps"),
+            arms[name][seed] = {"tau": float(end), "steps": arm.get("trainer_steps"),
                                        "promotions": sum(p["event"] == "promote" for p in arm["timeline"][1:]),
                                        "keep_up": keep_up.get("keep_up"), "source": str(path),
                                        "code": commit}
@@ -102,8 +106,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json-out", type=Path, help="also write the summary here")
     p.add_argument("--allow-mixed-commits", action="store_true",
                    help="compare runs made on different source commits (each seed's commit is listed)")
+    p.add_argument("--by-code", action="store_true",
+                   help="name each arm <arm>@<code version>: the same arm run on two code versions becomes two "
+                        "arms, paired seed by seed (implies --allow-mixed-commits)")
     args = p.parse_args(argv)
-    summary = summarise(*collect(args.runs, args.allow_mixed_commits))
+    summary = summarise(*collect(args.runs, args.allow_mixed_commits, args.by_code))
     text = json.dumps(summary, indent=2)
     if args.json_out:
         args.json_out.parent.mkdir(parents=True, exist_ok=True)

@@ -76,5 +76,12 @@ def test_runs_that_differ_in_a_setting_or_repeat_an_arm_are_refused(tmp_path):
     same_code = write(tmp_path, "f", run(2, {"auto": []}, commit="c2", code_version="abc"))
     shared, arms = domain_shift_seeds.collect([later, same_code])  # commits differ, the code does not
     assert shared["code"] == ["abc"] and sorted(arms["auto"]) == [1, 2]
+    # --by-code: the same arm on two code versions is two arms, paired seed by seed
+    old_code = write(tmp_path, "g", run(1, {"auto": [("promote", 1.45)]}, commit="c0", code_version="old"))
+    out = domain_shift_seeds.summarise(*domain_shift_seeds.collect([later, old_code], by_code=True))
+    assert sorted(out["arms"]) == ["auto@abc", "auto@old"]
+    assert out["paired"]["auto@abc - auto@old"]["diff"]["mean"] == pytest.approx(0.05)
+    with pytest.raises(SystemExit, match="auto@abc at seed 1 appears twice"):
+        domain_shift_seeds.collect([later, later], by_code=True)
     with pytest.raises(SystemExit, match="no runs"):
         domain_shift_seeds.collect([])
