@@ -71,9 +71,8 @@ def collect(paths: list[Path], allow_mixed_commits: bool = False,
             end = arm["timeline"][-1]["tau_held_out"] if arm["timeline"] else run["static_tau"]
             keep_up = arm.get("keep_up") or {}
             arms[name][seed] = {"tau": float(end), "steps": arm.get("trainer_steps"),
-                                       "promotions": sum(p["event"] == "promote" for p in arm["timeline"][1:]),
-                                       "keep_up": keep_up.get("keep_up"), "source": str(path),
-                                       "code": commit}
+                                "promotions": sum(p["event"] == "promote" for p in arm["timeline"][1:]),
+                                "keep_up": keep_up.get("keep_up"), "source": str(path), "code": commit}
     if shared is None:
         raise SystemExit("no runs given")
     return {**shared, "code": sorted(commits)}, arms
