@@ -7,6 +7,7 @@ environment of `online-opd serve --draft-trim`. The real engine: test_draft_trim
 from __future__ import annotations
 
 import asyncio
+import logging
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -280,6 +281,28 @@ def test_policy_loop_sends_the_thresholds_to_the_worker():
     missing = FakeEngineClient(core)  # on in the config but not installed in the worker: it answers None
     loop = SpeculationPolicyLoop(missing, PolicySettings(draft_trim=True), lambda: ("v", None))
     assert asyncio.run(loop.update())["draft_trim"] is None and missing.rpc_calls == [("online_opd_trim", None)]
+
+
+def test_policy_loop_stops_when_the_engine_core_is_gone(caplog):
+    """At shutdown (or after an engine crash) the utility call raises vLLM's EngineDeadError: the loop ends
+    with one info line instead of logging a traceback and retrying."""
+    from vllm.v1.engine.exceptions import EngineDeadError
+
+    from tests.helpers.speculation import FakeEngineClient, fake_engine_core
+    from vllm_patches.speculation_loop import PolicySettings, SpeculationPolicyLoop
+
+    class DeadClient(FakeEngineClient):
+        async def call_utility_async(self, method: str, *args):
+            self.calls.append((method, *args))
+            raise EngineDeadError()
+
+    client = DeadClient(fake_engine_core([0, 0]))
+    loop = SpeculationPolicyLoop(client, PolicySettings(), lambda: ("v0001", None))
+    with caplog.at_level(logging.INFO, logger="online_opd.speculation"):
+        asyncio.run(asyncio.wait_for(loop.run_forever(), timeout=10))
+    assert len(client.calls) == 1
+    ours = [r for r in caplog.records if r.name == "online_opd.speculation"]  # not vLLM's import warnings
+    assert [r.levelname for r in ours] == ["INFO"] and "engine core is gone" in ours[0].getMessage()
 
 
 def test_config_and_environment(tmp_path):

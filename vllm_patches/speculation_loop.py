@@ -107,11 +107,18 @@ class SpeculationPolicyLoop:
         self._wake.set()
 
     async def run_forever(self) -> None:
+        """Update every ``interval_s`` (or when woken) until cancelled, or until the engine has stopped
+        (shutdown, or a dead engine core: the server is going down, so there is nothing left to steer)."""
+        from vllm.v1.engine.exceptions import EngineDeadError
+
         while True:
             try:
                 await self.update()
             except asyncio.CancelledError:
                 raise
+            except EngineDeadError:
+                logger.info("speculation policy stopped: the engine core is gone")
+                return
             except Exception:
                 logger.exception("speculation policy update failed (the schedule serving stays)")
             try:
