@@ -31,7 +31,11 @@ come from the admin status, which is the policy loop's last poll of the engine (
 minute apart on an idle server here): per block they are shifted, over all blocks
 they are close. With K > 0, a decode step in which a request that just finished
 its prefill verifies no drafts yet is untimed too. Idle servers
-stay up meanwhile. An online-opd server polls its workers every
+stay up meanwhile. With `--step-profile DIR` every server, plain's
+too (it then loads the online-opd plugin for the profile alone), times each engine step into
+DIR/<server> (vllm_patches/step_profile.py), and the JSON sums the timed blocks' steps by kind
+(`decode`, `prefill`, `mixed`) with the worker's forward, drafter and sampling seconds: where a
+variant's extra time goes, step kind by step kind. An online-opd server polls its workers every
 `serve.stats_poll_s` for `serve.stats_settle_s` after its last work, and each
 poll makes an idle worker busy-wait for about a second: that would land on the
 next server's block, so the servers here run with `serve.stats_settle_s=0`
@@ -63,29 +67,41 @@ from speculation_policy import make_fresh_drafter, parse_variants
 
 from serve.launcher import ROOT, PlainVllmServer, ServerProcess, benchmark_logging, emit_result
 from serve.loadgen import LoadConfig, run_load
+from vllm_patches import STEP_PROFILE_ENV, step_profile
 
 logger = logging.getLogger("serving_overhead")
 
 TOKEN = "serving-overhead-bench"
 DEFAULT_VARIANTS = ("default=", "nocap=--no-capture", "never=--speculation never")
-def start_servers(base: Path, config: Path, variants: dict[str, list[str]], max_num_seqs: int) -> dict[str, Any]:
+def start_servers(base: Path, config: Path, variants: dict[str, list[str]], max_num_seqs: int,
+                  profile: Path | None = None) -> dict[str, Any]:
     """The plain server and one online-opd server per variant, started one after the other
-    (their start-ups would otherwise compete for the two cores); each waited for before the next."""
+    (their start-ups would otherwise compete for the two cores); each waited for before the next.
+    With `profile`, every server writes its per-step times into `profile/<name>`
+    (vllm_patches/step_profile.py): plain vLLM then loads the online-opd plugin for that alone."""
     from online_opd.config import load_config
     from serve.cpu_runtime import runtime_env_for
 
     cfg = load_config(config)
     target, drafter = make_fresh_drafter(config, base / "fresh-drafter")
     servers: dict[str, Any] = {}
+
+    def profile_env(name: str) -> dict[str, str]:
+        return {} if profile is None else {STEP_PROFILE_ENV: str(profile / name)}
+
+    plain_env = {**runtime_env_for(cfg.cpu.openmp, cfg.cpu.reserved_cores), **profile_env("plain")}
+    if profile is not None:
+        plain_env["VLLM_PLUGINS"] = "online_opd"  # the step profile only: no other hook acts without its variable
     try:
         servers["plain"] = PlainVllmServer(
             base / "plain", target, dtype=cfg.model.serving_dtype(), max_model_len=cfg.model.max_model_len,
-            max_num_seqs=max_num_seqs, runtime_env=runtime_env_for(cfg.cpu.openmp, cfg.cpu.reserved_cores))
+            max_num_seqs=max_num_seqs, runtime_env=plain_env)
         servers["plain"].wait_ready(timeout=900)
         for name, words in variants.items():
             start = time.perf_counter()
             servers[name] = ServerProcess(base / name, config, "--drafter", str(drafter), "--max-num-seqs",
-                                          str(max_num_seqs), "-o", "serve.stats_settle_s=0", *words, token=TOKEN)
+                                          str(max_num_seqs), "-o", "serve.stats_settle_s=0", *words, token=TOKEN,
+                                          env=profile_env(name))
             servers[name].wait_ready(timeout=900)
             logger.info("%s: ready in %.0f s", name, time.perf_counter() - start)
     except BaseException:
@@ -116,9 +132,12 @@ def block(server: Any, args: argparse.Namespace, seed: int) -> dict[str, Any]:
                   concurrency=args.concurrency, progress=False)
     run_load(LoadConfig(**common, seed=10_000 + seed, num_requests=args.concurrency))
     before, steps_before = server.metrics(), step_seconds(server)
+    window = [time.time()]
     summary = run_load(LoadConfig(**common, seed=seed, num_requests=args.block_requests * args.concurrency))
+    window.append(time.time())
     after, steps_after = server.metrics(), step_seconds(server)
     out = {k: summary[k] for k in ("output_tokens_per_s", "output_tokens", "requests_ok", "requests_failed", "wall_s")}
+    out["window"] = [round(t, 4) for t in window]
     out.update({k: after.get(name, 0.0) - before.get(name, 0.0) for k, name in ENGINE_COUNTERS.items()})
     if steps_before and steps_after:  # an online-opd server speculating with the auto policy
         out["step_seconds"] = {k: round(steps_after[k] - steps_before[k], 3) for k in steps_after}
@@ -155,6 +174,21 @@ def engine_work(cycles: list[dict[str, Any]], name: str) -> dict[str, Any]:
     return out
 
 
+def profile_summary(directory: Path, cycles: list[dict[str, Any]], name: str) -> dict[str, Any]:
+    """One server's engine steps inside its timed blocks, per kind of step (step_profile.py): the engine
+    core's wall seconds, and the worker's forward (execute_s), drafter (propose_s) and sampling-and-drafting
+    (sample_s) seconds."""
+    windows = [c["detail"][name]["window"] for c in cycles]
+
+    def inside(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        return [r for r in records if any(start <= r["time"] <= end for start, end in windows)]
+
+    return {"engine_core": step_profile.summarise(inside(step_profile.read(directory, "scheduler")),
+                                                  ("seconds", "schedule_s")),
+            "worker": step_profile.summarise(inside(step_profile.read(directory, "worker")),
+                                             ("execute_s", "propose_s", "sample_s"))}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("-c", "--config", type=Path, default=ROOT / "configs" / "default.yaml")
@@ -167,6 +201,10 @@ def main() -> None:
     parser.add_argument("--prompts", choices=("humaneval", "sharegpt"), default="humaneval")
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--max-num-seqs", type=int, default=32)
+    parser.add_argument("--step-profile", type=Path, default=None, metavar="DIR",
+                        help="time every engine step of every server, plain's too, into DIR/<server> (kept), and "
+                             "report the timed blocks' steps by kind: decode, prefill, mixed "
+                             "(vllm_patches/step_profile.py)")
     parser.add_argument("--out", type=Path, default=None, help="also write the JSON here")
     args = parser.parse_args()
     try:
@@ -181,7 +219,8 @@ def main() -> None:
     names = ["plain", *variants]
     cycles: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory(prefix="serving-overhead-") as tmp:
-        servers = start_servers(Path(tmp), config, variants, args.max_num_seqs)
+        profile = args.step_profile.resolve() if args.step_profile else None
+        servers = start_servers(Path(tmp), config, variants, args.max_num_seqs, profile)
         try:
             for i in range(args.cycles):
                 order = names[i % len(names):] + names[: i % len(names)]
@@ -193,6 +232,7 @@ def main() -> None:
                 cycles.append({"cycle": i, "order": order, "tokens_per_s": tps, "ratio": ratios, "detail": results})
         finally:
             stop_all(servers)
+        profiles = {name: profile_summary(profile / name, cycles, name) for name in names} if profile else None
     summary = {}
     for name in variants:
         values = [c["ratio"][name] for c in cycles if name in c["ratio"]]
@@ -208,6 +248,7 @@ def main() -> None:
         "max_num_seqs": args.max_num_seqs, "variants": summary,
         "engine_work": {name: engine_work(cycles, name) for name in names},
         "requests_failed": sum(r["requests_failed"] for c in cycles for r in c["detail"].values()),
+        **({"step_profile": profiles} if profiles else {}),
         "cycles_detail": cycles,
         "note": "all servers up at once, measured in alternating blocks (order rotating per cycle); "
                 "ratios are per cycle against plain in the same cycle",

@@ -270,8 +270,11 @@ def start_online_trainer(cfg: OnlineOPDConfig, target: Path, server_url: str | N
             return
         stopped.append(True)
         logger.info("stopping the online trainer (saving its state)")
-        stats = trainer.stop()
-        logger.info("online trainer stopped after %s steps", stats.get("steps"))
+        steps = (trainer.stop() or {}).get("steps")
+        if steps is None:  # stopped before its first report (starting up, or hibernating since the start)
+            logger.info("online trainer stopped before its first training step report")
+        else:
+            logger.info("online trainer stopped after %d steps", steps)
 
     atexit.register(_stop)
     return _stop

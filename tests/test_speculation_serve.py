@@ -12,7 +12,8 @@ step and each finished request: vllm_patches/dflash_context.py), also the
 blocks of a request whose prompt hit two cached KV blocks (their drafter context
 was stored by an earlier request). The target's features are captured
 (capture.hidden_sample_rate) through both wrappers of the drafting call and
-equal the target's own rows.
+equal the target's own rows. The server also runs the step profile (vllm_patches/step_profile.py):
+the engine core and the worker record every step, of every kind, in the same order.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from online_opd.opd.rollout import propose_all
 from online_opd.traces.buffer import BufferReader
 from online_opd.train.sequences import TrainSequence
 from tests.serving import Server, complete_ids, random_drafter, running
+from vllm_patches import STEP_PROFILE_ENV, step_profile
 
 pytestmark = pytest.mark.slow
 MAX_TOKENS = 48
@@ -42,7 +44,8 @@ def server(trained_run, tmp_path_factory):
     with running(root / "serve", "--drafter", str(random_path), "--speculation", "auto",
                  "-o", "serve.policy_interval_s=1", "-o", "serve.policy_explore_share=0.05",
                  "-o", "serve.policy_min_drafts=8", "-o", "capture.teacher_top_k=8",
-                 "-o", "capture.hidden_sample_rate=1") as srv:
+                 "-o", "capture.hidden_sample_rate=1", env={STEP_PROFILE_ENV: str(root / "steps")}) as srv:
+        srv.step_profile = root / "steps"
         yield srv
 
 
@@ -153,3 +156,24 @@ def assert_drafted_blocks_match_the_torch_drafter(server: Server, trained_run) -
     assert metrics["online_opd_capture_errors_total"] == 0, server.tail()
     assert metrics["online_opd_hidden_records_captured_total"] >= with_features >= 0.8 * len(records), (
         with_features, len(records))
+
+
+def test_step_profile_records_every_step_in_both_processes(server):
+    """After the two tests above (no speculation, then speculation at batch size 1): every step the engine
+    core ran is in its file and in the worker's, in the same order, with its kind; the drafting steps
+    spent time in the drafter, and the output tokens add up to at least vLLM's generation counter."""
+    generated = server.metrics()["vllm:generation_tokens_total"]
+    core = step_profile.read(server.step_profile, "scheduler")
+    worker = step_profile.read(server.step_profile, "worker")
+    assert len(core) == len(worker) > 100
+    keys = ("kind", "b", "prefill_tokens", "decode_tokens", "verified", "k")
+    assert [tuple(r[k] for k in keys) for r in core] == [tuple(r[k] for k in keys) for r in worker]
+    assert {r["kind"] for r in core} >= {"prefill", "decode"}
+    assert all(r["seconds"] > 0 and r["schedule_s"] >= 0 for r in core)
+    assert all(r["execute_s"] > 0 and r["sample_s"] >= r["propose_s"] >= 0 for r in worker)
+    drafting = [r for r in worker if r["k"] > 0]
+    assert drafting and all(r["propose_s"] > 0 for r in drafting)
+    assert sum(r["verified"] > 0 for r in core) > 0
+    assert sum(r["output_tokens"] for r in core) >= generated
+    summary = step_profile.summarise(core, ("seconds",))
+    assert sum(v["steps"] for v in summary.values()) == len(core)

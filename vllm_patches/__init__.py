@@ -18,7 +18,8 @@
   where it pays, in the worker). With ``ONLINE_OPD_DRAFT_TRIM``
   (``serve.draft_trim.enabled``) it installs draft trimming (``draft_trim.py``: each
   request verifies only the drafted tokens its drafter is confident enough in, in the
-  worker).
+  worker). With ``ONLINE_OPD_STEP_PROFILE`` (a directory; benchmarks set it) it times every engine
+  step and the worker's phases into JSON-lines files (``step_profile.py``), a diagnosis.
 - ``worker_ext.OnlineOPDWorkerExtension`` is passed as ``--worker-extension-cls``:
   drafter hot reload and capture figures, called with ``collective_rpc``.
 - ``endpoint.OnlineOPDEndpoints`` is the ``vllm.endpoint_plugins`` entry point:
@@ -46,6 +47,8 @@ SERVE_ENV = "ONLINE_OPD_SERVE"  # the endpoint plugin's settings (endpoint.py)
 NGRAM_FALLBACK_ENV = "ONLINE_OPD_NGRAM_FALLBACK"
 #: JSON draft-trimming settings for worker processes (see draft_trim.DraftTrimSettings).
 DRAFT_TRIM_ENV = "ONLINE_OPD_DRAFT_TRIM"
+#: A directory for per-step engine timings, a diagnosis (see step_profile.py; benchmarks set it).
+STEP_PROFILE_ENV = "ONLINE_OPD_STEP_PROFILE"
 
 
 def settings_from_env(name: str, model: type, what: str):
@@ -129,10 +132,15 @@ def register() -> None:
         from vllm_patches import draft_trim
 
         draft_trim.install_from_env()  # in the worker, after (outside) the ngram fallback's wrapper
-    if not os.environ.get(CAPTURE_ENV):
-        return
-    check_vllm_version()
-    from vllm_patches import capture_hooks, request_checks
+    if os.environ.get(CAPTURE_ENV):
+        check_vllm_version()
+        from vllm_patches import capture_hooks, request_checks
 
-    request_checks.install()  # in the API server: a malformed opt-out flag gets vLLM's 400
-    capture_hooks.install_from_env()
+        request_checks.install()  # in the API server: a malformed opt-out flag gets vLLM's 400
+        capture_hooks.install_from_env()
+    if os.environ.get(STEP_PROFILE_ENV):  # last: the hooks above are inside what it times
+        check_vllm_version()
+        own_log_handler()
+        from vllm_patches import step_profile
+
+        step_profile.install(os.environ[STEP_PROFILE_ENV])
