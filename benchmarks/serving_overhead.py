@@ -176,15 +176,16 @@ def engine_work(cycles: list[dict[str, Any]], name: str) -> dict[str, Any]:
 
 def profile_summary(directory: Path, cycles: list[dict[str, Any]], name: str) -> dict[str, Any]:
     """One server's engine steps inside its timed blocks, per kind of step (step_profile.py): the engine
-    core's wall seconds, and the worker's forward (execute_s), drafter (propose_s) and sampling-and-drafting
-    (sample_s) seconds."""
+    core's wall seconds (and its decode steps by batch size and K), and the worker's forward (execute_s),
+    drafter (propose_s) and sampling-and-drafting (sample_s) seconds."""
     windows = [c["detail"][name]["window"] for c in cycles]
 
     def inside(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
         return [r for r in records if any(start <= r["time"] <= end for start, end in windows)]
 
-    return {"engine_core": step_profile.summarise(inside(step_profile.read(directory, "scheduler")),
-                                                  ("seconds", "schedule_s")),
+    core = inside(step_profile.read(directory, "scheduler"))
+    return {"engine_core": step_profile.summarise(core, ("seconds", "schedule_s")),
+            "decode_by_b_k": step_profile.decode_by_shape(core),
             "worker": step_profile.summarise(inside(step_profile.read(directory, "worker")),
                                              ("execute_s", "propose_s", "sample_s"))}
 

@@ -9,7 +9,7 @@ import json
 import pytest
 
 from tests.helpers.speculation import step
-from vllm_patches.step_profile import StepLog, classify, read, summarise
+from vllm_patches.step_profile import StepLog, classify, decode_by_shape, read, summarise
 
 
 def test_classify_names_decode_prefill_and_mixed_steps():
@@ -48,3 +48,14 @@ def test_step_log_reports_an_unwritable_file_once(tmp_path, caplog):
     log.add({"kind": "decode", "time": 2.0})
     assert log.errors == 2
     assert sum("cannot write" in r.getMessage() for r in caplog.records) == 1
+
+
+def test_decode_by_shape_groups_decode_steps_by_batch_size_and_k():
+    records = [{"kind": "decode", "b": 8, "k": 1, "seconds": 0.04, "output_tokens": 13},
+               {"kind": "decode", "b": 8, "k": 1, "seconds": 0.05, "output_tokens": 14},
+               {"kind": "decode", "b": 8, "k": 0, "seconds": 0.03, "output_tokens": 8},
+               {"kind": "mixed", "b": 8, "k": 1, "seconds": 0.2, "output_tokens": 14}]
+    rows = decode_by_shape(records)
+    assert [(r["b"], r["k"], r["steps"]) for r in rows] == [(8, 0, 1), (8, 1, 2)]
+    assert rows[1]["seconds_mean"] == pytest.approx(0.045) and rows[1]["output_tokens_mean"] == 13.5
+    assert rows[1]["seconds_per_output_token"] == pytest.approx(0.09 / 27, abs=1e-6)

@@ -221,3 +221,19 @@ def summarise(records: list[dict[str, Any]], keys: tuple[str, ...] = ("seconds",
                 entry[f"{key}_mean"] = round(sum(r[key] for r in rows) / n, 3)
         out[kind] = entry
     return out
+
+
+def decode_by_shape(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The decode steps by (requests, K drafted): steps, mean seconds and output tokens, and seconds per
+    output token: the cost table's view (speculation.py), for any server, plain vLLM's too."""
+    groups: dict[tuple[int, int], list[dict[str, Any]]] = {}
+    for r in records:
+        if r["kind"] == "decode":
+            groups.setdefault((r["b"], r["k"]), []).append(r)
+    out = []
+    for (b, k), rows in sorted(groups.items()):
+        seconds, tokens = sum(r["seconds"] for r in rows), sum(r["output_tokens"] for r in rows)
+        out.append({"b": b, "k": k, "steps": len(rows), "seconds_mean": round(seconds / len(rows), 6),
+                    "output_tokens_mean": round(tokens / len(rows), 3),
+                    "seconds_per_output_token": round(seconds / tokens, 6) if tokens else None})
+    return out
