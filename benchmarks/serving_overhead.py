@@ -32,7 +32,8 @@ minute apart on an idle server here): per block they are shifted, over all block
 they are close. With K > 0, a decode step in which a request that just finished
 its prefill verifies no drafts yet is untimed too. Idle servers
 stay up meanwhile. With `--step-profile DIR` every server, plain's
-too (it then loads the online-opd plugin for the profile alone), times each engine step into
+too (it then loads the online-opd plugin: the profile, and the CPU kernel fix of the rejection
+sampler, which plain decoding never calls), times each engine step into
 DIR/<server> (vllm_patches/step_profile.py), and the JSON sums the timed blocks' steps by kind
 (`decode`, `prefill`, `mixed`) with the worker's forward, drafter and sampling seconds: where a
 variant's extra time goes, step kind by step kind. An online-opd server polls its workers every
@@ -78,7 +79,8 @@ def start_servers(base: Path, config: Path, variants: dict[str, list[str]], max_
     """The plain server and one online-opd server per variant, started one after the other
     (their start-ups would otherwise compete for the two cores); each waited for before the next.
     With `profile`, every server writes its per-step times into `profile/<name>`
-    (vllm_patches/step_profile.py): plain vLLM then loads the online-opd plugin for that alone."""
+    (vllm_patches/step_profile.py): plain vLLM then loads the online-opd plugin (register: cpu_fixes and the
+    profile; no other hook acts without its variable)."""
     from online_opd.config import load_config
     from serve.cpu_runtime import runtime_env_for
 
@@ -91,7 +93,7 @@ def start_servers(base: Path, config: Path, variants: dict[str, list[str]], max_
 
     plain_env = {**runtime_env_for(cfg.cpu.openmp, cfg.cpu.reserved_cores), **profile_env("plain")}
     if profile is not None:
-        plain_env["VLLM_PLUGINS"] = "online_opd"  # the step profile only: no other hook acts without its variable
+        plain_env["VLLM_PLUGINS"] = "online_opd"  # the profile; of the rest only cpu_fixes acts (rejection sampler)
     try:
         servers["plain"] = PlainVllmServer(
             base / "plain", target, dtype=cfg.model.serving_dtype(), max_model_len=cfg.model.max_model_len,
@@ -242,7 +244,7 @@ def main() -> None:
     emit_result({
         "benchmark": "serving_overhead", "config": str(config),
         "plain": "vllm serve, same model, flags and CPU runtime settings (config cpu:), no speculative config, "
-                 "no online-opd plugin",
+                 "no online-opd plugin" + (" (with --step-profile: the plugin, for the profile)" if profile else ""),
         "online_opd_serve": "online-opd serve --drafter <fresh drafter> (trainer off) plus each variant's arguments",
         "prompts": f"{args.prompts}, temperature 0, ignore_eos, {args.max_tokens} tokens",
         "concurrency": args.concurrency, "cycles": args.cycles, "block_requests": args.block_requests * args.concurrency,
