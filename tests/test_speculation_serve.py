@@ -13,11 +13,16 @@ blocks of a request whose prompt hit two cached KV blocks (their drafter context
 was stored by an earlier request). The target's features are captured
 (capture.hidden_sample_rate) through both wrappers of the drafting call and
 equal the target's own rows. The server also runs the step profile (vllm_patches/step_profile.py):
-the engine core and the worker record every step, of every kind, in the same order.
+the engine core and the worker record every step, of every kind, in the same order. The step costs its
+policy measured are stored in its run folder, and the next server on the same setup starts from them
+(online_opd/speculation/cost_store.py).
 """
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -28,9 +33,10 @@ from online_opd.models.drafters.checkpoint import load_drafter, save_drafter
 from online_opd.models.target import ensure_embedded_target
 from online_opd.models.target_model import TargetModel
 from online_opd.opd.rollout import propose_all
+from online_opd.speculation.costs import StepCosts
 from online_opd.traces.buffer import BufferReader
 from online_opd.train.sequences import TrainSequence
-from tests.serving import Server, complete_ids, random_drafter, running
+from tests.serving import CONFIG, ROOT, Server, complete_ids, random_drafter, running
 from vllm_patches import STEP_PROFILE_ENV, step_profile
 
 pytestmark = pytest.mark.slow
@@ -41,11 +47,12 @@ MAX_TOKENS = 48
 def server(trained_run, tmp_path_factory):
     root = tmp_path_factory.mktemp("speculation")
     random_path = save_drafter(random_drafter(trained_run), root / "random", version="random")
-    with running(root / "serve", "--drafter", str(random_path), "--speculation", "auto",
-                 "-o", "serve.policy_interval_s=1", "-o", "serve.policy_explore_share=0.05",
-                 "-o", "serve.policy_min_drafts=8", "-o", "capture.teacher_top_k=8",
-                 "-o", "capture.hidden_sample_rate=1", env={STEP_PROFILE_ENV: str(root / "steps")}) as srv:
-        srv.step_profile = root / "steps"
+    args = ("--drafter", str(random_path), "--speculation", "auto",
+            "-o", "serve.policy_interval_s=1", "-o", "serve.policy_explore_share=0.05",
+            "-o", "serve.policy_min_drafts=8", "-o", "capture.teacher_top_k=8",
+            "-o", "capture.hidden_sample_rate=1")
+    with running(root / "serve", *args, env={STEP_PROFILE_ENV: str(root / "steps")}) as srv:
+        srv.step_profile, srv.serve_args = root / "steps", args
         yield srv
 
 
@@ -177,3 +184,31 @@ def test_step_profile_records_every_step_in_both_processes(server):
     assert sum(r["output_tokens"] for r in core) >= generated
     summary = step_profile.summarise(core, ("seconds",))
     assert sum(v["steps"] for v in summary.values()) == len(core)
+
+
+def test_measured_step_costs_are_stored_and_start_the_next_server_on_the_same_setup(server):
+    """The policy loop saved the engine's step costs (the plain steps of the random drafter, the drafting
+    steps at batch size 1 of the memorising one) in <run_dir>/step_costs.json; `online-opd serve` with
+    the same arguments finds the table of its setup and starts from it instead of the conservative
+    schedule (--dry-run: the launcher's starting schedule, no second engine)."""
+    path = server.run_dir / "step_costs.json"
+    deadline = time.monotonic() + 90  # saved at the first update with timed steps, then every minute
+    while not path.exists() or not any(r[1] > 0 for t in json.loads(path.read_text())["tables"]
+                                       for r in t["costs"]):
+        assert time.monotonic() < deadline, server.tail()
+        time.sleep(2)
+    (table,) = json.loads(path.read_text())["tables"]
+    costs = StepCosts.from_rows(table["costs"])
+    assert costs.buckets[(1, 0)].num_steps >= 8 and costs.buckets[(1, 0)].seconds > 0
+    assert any(k > 0 and v.num_steps > 0 for (b, k), v in costs.buckets.items())
+    assert table["setup"]["max_k"] == 4 and table["setup"]["capture"]["hidden_sample_rate"] == 1
+    dry = subprocess.run(
+        [sys.executable, "-m", "serve.cli", "--no-progress", "serve", "-c", str(CONFIG),
+         "-o", f"serve.run_dir={server.run_dir}", "-o", f"capture.buffer_dir={server.buffer}",
+         *server.serve_args, "--dry-run"], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert dry.returncode == 0, dry.stderr[-4000:]
+    assert f"(b, K) buckets from {path.resolve()}" in dry.stderr, dry.stderr[-4000:]
+    assert "starting schedule" in dry.stderr and "from the stored step costs" in dry.stderr, dry.stderr[-4000:]
+    env = json.loads(dry.stdout)["env"]
+    policy = json.loads(env["ONLINE_OPD_SERVE"])["policy"]
+    assert policy["costs_file"] == str(path.resolve()) and policy["costs_setup"] == table["setup"]

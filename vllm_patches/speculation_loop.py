@@ -21,6 +21,12 @@ Every ``interval_s`` seconds, and right after each drafter reload (``wake``), it
 4. compares, over the steady steps of the last interval, the measured output
    tokens per second with the cost model's prediction for the same steps.
 
+With ``costs_file`` set (``serve.policy_costs_file``), the cost model reads the live
+table completed with the one an earlier server saved for the same setup
+(online_opd/speculation/cost_store.py, ``costs.with_prior``: a stored bucket counts as
+at most ``stored_cost_steps`` steps, so live steps take over), and the loop saves the
+merged table every ``costs_save_s`` seconds while steps are timed, and when it stops.
+
 With draft trimming on (``serve.draft_trim``, draft_trim.py) it reads the worker's
 outlook before deciding (``online_opd_trim`` through ``collective_rpc``) and sends
 it the decision's per-batch-size thresholds when they changed.
@@ -30,12 +36,14 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from typing import Any, Callable
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from online_opd.speculation import cost_store
 from online_opd.speculation.acceptance import AcceptanceCounts, estimate_acceptance
-from online_opd.speculation.costs import CostModel, StepCosts
+from online_opd.speculation.costs import CostModel, StepCosts, with_prior
 from online_opd.speculation.policy import break_even_taus, compress, decide, expected_tokens
 from vllm_patches.speculation import SET_METHOD, STATUS_METHOD
 
@@ -58,6 +66,12 @@ class PolicySettings(BaseModel):
     # serve.draft_trim.enabled: read the worker's trimming outlook and send it thresholds (one worker RPC
     # per update; none without trimming)
     draft_trim: bool = False
+    # step costs kept across restarts (cost_store.py): the file, this server's setup, the weight of a
+    # stored bucket in live steps, and seconds between saves
+    costs_file: str | None = None
+    costs_setup: dict[str, Any] | None = None
+    stored_cost_steps: int = Field(16, ge=0)
+    costs_save_s: float = Field(60.0, gt=0)
 
     def explore_share_for(self, is_measured: bool) -> float:
         """The exploration share: the configured one once acceptance is measured live, else the higher
@@ -101,6 +115,10 @@ class SpeculationPolicyLoop:
         self._version: str | None = None
         self._version_start = AcceptanceCounts()
         self._last_costs: list[list[float]] | None = None
+        self._stored: cost_store.StoredCosts | None = None  # loaded on the first update
+        self._merged: StepCosts | None = None  # live + stored, what the last update's cost model read
+        self._timed = 0  # the engine's timed steps at the last update
+        self._saved = (float("-inf"), -1)  # (monotonic time, timed steps) of the last save
 
     def wake(self) -> None:
         """Recompute now (after a reload)."""
@@ -115,9 +133,11 @@ class SpeculationPolicyLoop:
             try:
                 await self.update()
             except asyncio.CancelledError:
+                self._save_costs()
                 raise
             except EngineDeadError:
                 logger.info("speculation policy stopped: the engine core is gone")
+                self._save_costs()
                 return
             except Exception:
                 logger.exception("speculation policy update failed (the schedule serving stays)")
@@ -139,8 +159,16 @@ class SpeculationPolicyLoop:
             self._version = version
         acceptance, source = estimate_acceptance(counts - self._version_start, await _manifest(path),
                                                  max_k=status["max_k"], min_drafts=self.settings.min_drafts)
-        model = CostModel(StepCosts.from_rows(status["costs"]), min_steps=self.settings.min_steps,
-                          prior_steps=self.settings.prior_steps)
+        costs = StepCosts.from_rows(status["costs"])
+        if self.settings.costs_file and self.settings.costs_setup is not None:
+            if self._stored is None:
+                self._stored = await asyncio.to_thread(self._load_costs)
+            if self._stored.costs is not None:
+                costs = with_prior(costs, self._stored.costs, self.settings.stored_cost_steps)
+            self._merged, self._timed = costs, status.get("timed_steps", 0)
+            if time.monotonic() - self._saved[0] >= self.settings.costs_save_s:
+                await asyncio.to_thread(self._save_costs)
+        model = CostModel(costs, min_steps=self.settings.min_steps, prior_steps=self.settings.prior_steps)
         trim = await self._trim_status() if self.settings.draft_trim else None
         decision = decide(model, acceptance, max_k=status["max_k"], max_batch_size=status["max_batch_size"],
                           current=status["lookup"], margin=self.settings.margin,
@@ -165,8 +193,36 @@ class SpeculationPolicyLoop:
         self.latest = {**status, "schedule": decision.schedule, "acceptance_used": acceptance,
                        "acceptance_source": source, "measured_tokens_per_s": measured,
                        "predicted_tokens_per_s": predicted, "num_changes": self.num_changes,
-                       "cost_model": model.describe(), "version": version, "draft_trim": trim}
+                       "cost_model": model.describe(), "version": version, "draft_trim": trim,
+                       "stored_costs": self._stored_summary()}
         return self.latest
+
+    def _load_costs(self) -> cost_store.StoredCosts:
+        stored = cost_store.load(self.settings.costs_file, self.settings.costs_setup)
+        if stored.costs is not None:
+            logger.info("speculation step costs: %s, saved %s; each counts as at most %d steps until live "
+                        "steps replace it", stored.reason, _age(stored.saved_at), self.settings.stored_cost_steps)
+        else:
+            logger.info("speculation step costs: starting from an empty table (%s)", stored.reason)
+        return stored
+
+    def _save_costs(self) -> None:
+        """Store the merged table when steps were timed since the last save (cost_store.py); a failure
+        is logged, retried after ``costs_save_s``, and serving goes on."""
+        if self._merged is None or not self._merged.buckets or self._timed in (0, self._saved[1]):
+            return
+        self._saved = (time.monotonic(), self._timed)
+        try:
+            cost_store.save(self.settings.costs_file, self.settings.costs_setup, self._merged)
+        except (OSError, ValueError, TypeError) as exc:
+            logger.warning("speculation step costs not saved to %s: %s", self.settings.costs_file, exc)
+
+    def _stored_summary(self) -> dict | None:
+        if self._stored is None:
+            return None
+        return {"file": self.settings.costs_file, "used": self._stored.costs is not None,
+                "buckets": len(self._stored.costs.buckets) if self._stored.costs is not None else 0,
+                "reason": self._stored.reason}
 
     async def _trim_status(self, thresholds: list[float] | None = None) -> dict | None:
         """The worker's draft-trimming figures (draft_trim.py), setting its thresholds when given; None
@@ -188,6 +244,10 @@ class SpeculationPolicyLoop:
                     compress(status["lookup"]), decision.schedule,
                     " (conservative: no step with K > 0 measured yet)" if decision.is_conservative else "",
                     [round(a, 3) for a in acceptance], source, "; ".join(figures))
+
+
+def _age(saved_at: float | None) -> str:
+    return "at an unknown time" if saved_at is None else f"{(time.time() - saved_at) / 60:.0f} min ago"
 
 
 def _ms(seconds: float | None) -> str:

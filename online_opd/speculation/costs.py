@@ -109,6 +109,33 @@ class StepCosts:
         return costs
 
 
+def with_prior(live: StepCosts, prior: StepCosts, max_prior_steps: int) -> StepCosts:
+    """Live buckets completed with stored ones (cost_store.py: a table an earlier server measured on the
+    same setup). A stored bucket counts as ``w = min(its steps, max_prior_steps)`` steps: alone it is
+    used as measured once ``w`` reaches the cost model's ``min_steps``; beside a live bucket of ``n``
+    steps the seconds (and draft tokens) are ``(n t_live + w t_stored) / (n + w)``, so live steps
+    take over (after 16 live steps at ``w = 16`` they weigh half, after 300 they weigh 95%). The
+    totals (measured rates over a window) stay the live ones."""
+    if max_prior_steps < 0:
+        raise ValueError(f"max_prior_steps={max_prior_steps}: a number of steps, >= 0")
+    merged = StepCosts(live.alpha)
+    for key in sorted(set(live.buckets) | set(prior.buckets)):
+        now, stored = live.buckets.get(key), prior.buckets.get(key)
+        w = min(stored.num_steps, max_prior_steps) if stored is not None else 0
+        if now is None:
+            if w > 0:
+                merged.buckets[key] = CostBucket(stored.seconds, w, 0.0, 0, stored.drafted)
+            continue
+        n = now.num_steps
+        if w == 0:
+            merged.buckets[key] = CostBucket(now.seconds, n, now.total_seconds, now.total_tokens, now.drafted)
+            continue
+        merged.buckets[key] = CostBucket((n * now.seconds + w * stored.seconds) / (n + w), n + w,
+                                         now.total_seconds, now.total_tokens,
+                                         (n * now.drafted + w * stored.drafted) / (n + w))
+    return merged
+
+
 def _features(terms: tuple[str, ...], b: np.ndarray, k: np.ndarray, n: np.ndarray) -> np.ndarray:
     columns = {"1": np.ones_like(b), "b": b, "k": k, "bk": b * k, "n": n}
     return np.stack([columns[t] for t in terms], axis=1)
