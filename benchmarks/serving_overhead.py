@@ -36,7 +36,9 @@ too (it then loads the online-opd plugin: the profile, and the CPU kernel fix of
 sampler, which plain decoding never calls), times each engine step into
 DIR/<server> (vllm_patches/step_profile.py), and the JSON sums the timed blocks' steps by kind
 (`decode`, `prefill`, `mixed`) with the worker's forward, drafter and sampling seconds: where a
-variant's extra time goes, step kind by step kind. An online-opd server polls its workers every
+variant's extra time goes, step kind by step kind; `per_block` counts, block by block, the decode steps
+and those that drafted (how soon a server speculates: a server that starts from stored step costs
+against one that starts with an empty table, `-o serve.policy_costs_file=...`). An online-opd server polls its workers every
 `serve.stats_poll_s` for `serve.stats_settle_s` after its last work, and each
 poll makes an idle worker busy-wait for about a second: that would land on the
 next server's block, so the servers here run with `serve.stats_settle_s=0`
@@ -185,9 +187,16 @@ def profile_summary(directory: Path, cycles: list[dict[str, Any]], name: str) ->
     def inside(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
         return [r for r in records if any(start <= r["time"] <= end for start, end in windows)]
 
-    core = inside(step_profile.read(directory, "scheduler"))
+    every = step_profile.read(directory, "scheduler")
+    core = inside(every)
+    per_block = []  # how soon a server speculates: its decode steps that drafted, block by block
+    for start, end in windows:
+        decode = [r for r in every if start <= r["time"] <= end and r["kind"] == "decode"]
+        per_block.append({"decode_steps": len(decode), "decode_steps_drafting": sum(r["k"] > 0 for r in decode),
+                          "engine_seconds": round(sum(r["seconds"] for r in every
+                                                      if start <= r["time"] <= end), 3)})
     return {"engine_core": step_profile.summarise(core, ("seconds", "schedule_s")),
-            "decode_by_b_k": step_profile.decode_by_shape(core),
+            "decode_by_b_k": step_profile.decode_by_shape(core), "per_block": per_block,
             "worker": step_profile.summarise(inside(step_profile.read(directory, "worker")),
                                              ("execute_s", "propose_s", "sample_s"))}
 
