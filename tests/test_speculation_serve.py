@@ -197,6 +197,7 @@ def test_measured_step_costs_are_stored_and_start_the_next_server_on_the_same_se
                                        for r in t["costs"]):
         assert time.monotonic() < deadline, server.tail()
         time.sleep(2)
+    assert server.metrics()["online_opd_policy_stored_cost_buckets"] == 0.0  # it started with none stored
     (table,) = json.loads(path.read_text())["tables"]
     costs = StepCosts.from_rows(table["costs"])
     assert costs.buckets[(1, 0)].num_steps >= 8 and costs.buckets[(1, 0)].seconds > 0

@@ -301,9 +301,11 @@ def test_speculation_series():
     state = {"schedule": [(1, 1, 4), (2, 32, 0)], "steps": 200, "explored_steps": 4, "timed_steps": 150,
              "costs": [[1, 0, 0.1, 10, 1, 10], [2, 0, 0.2, 10, 2, 20], [3, 0, 0.4, 30, 12, 90]],
              "measured_tokens_per_s": 9.5, "predicted_tokens_per_s": 10.0, "acceptance_used": [0.5, 0.25],
-             "num_changes": 3, "untimed": {"plain": [3, 0.75, 9], "drafting": [2, 0.5, 6]}}
+             "num_changes": 3, "untimed": {"plain": [3, 0.75, 9], "drafting": [2, 0.5, 6]},
+             "stored_costs": {"file": "runs/serve/step_costs.json", "used": True, "buckets": 12, "reason": ""}}
     registry.register(SpeculationCollector(lambda: state))
     text = generate_latest(registry).decode()
+    assert 'online_opd_policy_stored_cost_buckets 12.0' in text
     assert 'online_opd_spec_k{batch_size_range="1-1"} 4.0' in text
     assert 'online_opd_spec_k{batch_size_range="2-32"} 0.0' in text
     assert 'online_opd_spec_step_seconds{batch_size="2-3",k="0"} 0.35' in text  # (0.2 x 10 + 0.4 x 30) / 40

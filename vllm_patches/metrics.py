@@ -373,6 +373,13 @@ class SpeculationCollector(Collector):
         changes = CounterMetricFamily(f"{PREFIX}_policy_changes", "Speculation schedule changes applied.")
         changes.add_metric([], float(state.get("num_changes") or 0))
         yield changes
+        stored = state.get("stored_costs")
+        if stored is not None:  # serve.policy_remember_costs (online_opd/speculation/cost_store.py)
+            family = GaugeMetricFamily(f"{PREFIX}_policy_stored_cost_buckets", "(b, K) step-cost buckets "
+                                       "this server started from, stored by an earlier server on the same "
+                                       "setup (0: it started with an empty table).")
+            family.add_metric([], float(stored.get("buckets") or 0))
+            yield family
 
     @staticmethod
     def _step_seconds(rows: list[list[float]]) -> GaugeMetricFamily:
