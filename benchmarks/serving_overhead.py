@@ -59,6 +59,7 @@ import argparse
 import logging
 import os
 import shlex
+import shutil
 import statistics
 import tempfile
 import time
@@ -217,6 +218,9 @@ def main() -> None:
                         help="time every engine step of every server, plain's too, into DIR/<server> (kept), and "
                              "report the timed blocks' steps by kind: decode, prefill, mixed "
                              "(vllm_patches/step_profile.py)")
+    parser.add_argument("--keep-logs", type=Path, default=None, metavar="DIR",
+                        help="copy every server's log to DIR/<server>.log at the end (the policy's schedule "
+                             "changes and the figures behind them are logged there)")
     parser.add_argument("--out", type=Path, default=None, help="also write the JSON here")
     args = parser.parse_args()
     try:
@@ -244,6 +248,12 @@ def main() -> None:
                 cycles.append({"cycle": i, "order": order, "tokens_per_s": tps, "ratio": ratios, "detail": results})
         finally:
             stop_all(servers)
+            if args.keep_logs is not None:  # the servers' folders are temporary: their logs go with them
+                args.keep_logs.mkdir(parents=True, exist_ok=True)
+                for name in names:
+                    log = Path(tmp) / name / "server.log"
+                    if log.exists():
+                        shutil.copyfile(log, args.keep_logs / f"{name}.log")
         profiles = {name: profile_summary(profile / name, cycles, name) for name in names} if profile else None
     summary = {}
     for name in variants:
