@@ -164,6 +164,7 @@ def api_server_rank(engine_client: Any) -> tuple[int, int]:
 
 
 SHUTDOWN_FLUSH_S = 10.0  # most seconds the engine's shutdown waits for the workers to write their records
+SHUTDOWN_COSTS_S = 5.0  # most seconds it waits for the engine's step-cost table (stored for the next start)
 
 
 class EndpointSettings(BaseModel):
@@ -260,7 +261,9 @@ class OnlineOPDService(RegistryFollower):
         ``SHUTDOWN_FLUSH_S``), then stops the engine as before. Requests still running are aborted by
         vLLM and leave no record. (A SIGTERM to the whole process group reaches the engine and the workers
         too, and this call may find the engine gone: then each worker writes its records as it stops,
-        capture.py ``_close_on_worker_shutdown``.)"""
+        capture.py ``_close_on_worker_shutdown``.) Then the speculation policy stores the engine's step-cost
+        table (``save_before_shutdown``, at most ``SHUTDOWN_COSTS_S``), so the next server starts from
+        every step this one timed."""
         original = getattr(self.engine, "shutdown", None)
         if original is None:
             return
@@ -283,6 +286,13 @@ class OnlineOPDService(RegistryFollower):
                 except Exception as exc:  # the engine may be stopping already (a process-group signal)
                     logger.info("online-opd: no record flush through the engine before shutdown (%r); the "
                                 "workers write theirs as they stop", exc)
+                if self.speculation is not None:
+                    try:
+                        asyncio.run_coroutine_threadsafe(
+                            self.speculation.save_before_shutdown(SHUTDOWN_COSTS_S), loop).result(
+                                SHUTDOWN_COSTS_S + 5)
+                    except Exception as exc:
+                        logger.warning("online-opd: speculation step costs not saved before shutdown: %r", exc)
             return original(*args, **kwargs)
 
         self.engine.shutdown = shutdown

@@ -25,7 +25,8 @@ With ``costs_file`` set (``serve.policy_costs_file``), the cost model reads the 
 table completed with the one an earlier server saved for the same setup
 (online_opd/speculation/cost_store.py, ``costs.with_prior``: a stored bucket counts as
 at most ``stored_cost_steps`` steps, so live steps take over), and the loop saves the
-merged table every ``costs_save_s`` seconds while steps are timed, and when it stops.
+merged table every ``costs_save_s`` seconds while steps are timed, and when the server
+stops (endpoint.py's shutdown reads the engine's table once more: ``save_before_shutdown``).
 
 With draft trimming on (``serve.draft_trim``, draft_trim.py) it reads the worker's
 outlook before deciding (``online_opd_trim`` through ``collective_rpc``) and sends
@@ -159,15 +160,9 @@ class SpeculationPolicyLoop:
             self._version = version
         acceptance, source = estimate_acceptance(counts - self._version_start, await _manifest(path),
                                                  max_k=status["max_k"], min_drafts=self.settings.min_drafts)
-        costs = StepCosts.from_rows(status["costs"])
-        if self.settings.costs_file and self.settings.costs_setup is not None:
-            if self._stored is None:
-                self._stored = await asyncio.to_thread(self._load_costs)
-            if self._stored.costs is not None:
-                costs = with_prior(costs, self._stored.costs, self.settings.stored_cost_steps)
-            self._merged, self._timed = costs, status.get("timed_steps", 0)
-            if time.monotonic() - self._saved[0] >= self.settings.costs_save_s:
-                await asyncio.to_thread(self._save_costs)
+        costs = await self._merge_costs(status)
+        if self._remembers() and time.monotonic() - self._saved[0] >= self.settings.costs_save_s:
+            await asyncio.to_thread(self._save_costs)
         model = CostModel(costs, min_steps=self.settings.min_steps, prior_steps=self.settings.prior_steps)
         trim = await self._trim_status() if self.settings.draft_trim else None
         decision = decide(model, acceptance, max_k=status["max_k"], max_batch_size=status["max_batch_size"],
@@ -196,6 +191,37 @@ class SpeculationPolicyLoop:
                        "cost_model": model.describe(), "version": version, "draft_trim": trim,
                        "stored_costs": self._stored_summary()}
         return self.latest
+
+    def _remembers(self) -> bool:
+        return bool(self.settings.costs_file) and self.settings.costs_setup is not None
+
+    async def _merge_costs(self, status: dict) -> StepCosts:
+        """The engine's live table, merged with the stored one (loaded on the first call) when the
+        server remembers step costs; kept as what the next save writes."""
+        costs = StepCosts.from_rows(status["costs"])
+        if self._remembers():
+            if self._stored is None:
+                self._stored = await asyncio.to_thread(self._load_costs)
+            if self._stored.costs is not None:
+                costs = with_prior(costs, self._stored.costs, self.settings.stored_cost_steps)
+            self._merged, self._timed = costs, status.get("timed_steps", 0)
+        return costs
+
+    async def save_before_shutdown(self, timeout_s: float) -> None:
+        """The server is stopping: vLLM's signal handling stops the engine without cancelling this
+        task, so the steps timed since the last periodic save would be lost. Read the engine's table
+        once more (at most ``timeout_s``; the engine may already be going) and store it."""
+        if not self._remembers():
+            return
+        try:
+            status = await asyncio.wait_for(self.engine.engine_core.call_utility_async(STATUS_METHOD),
+                                            timeout_s)
+            if status and status.get("costs") is not None:
+                await self._merge_costs(status)
+        except Exception as exc:  # a stopping engine: store what the last update read
+            logger.info("speculation step costs: the engine did not answer before shutdown (%r); storing "
+                        "the table read %s", exc, "at the last update" if self._merged else "(none yet)")
+        await asyncio.to_thread(self._save_costs)
 
     def _load_costs(self) -> cost_store.StoredCosts:
         stored = cost_store.load(self.settings.costs_file, self.settings.costs_setup)
