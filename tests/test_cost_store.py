@@ -168,6 +168,40 @@ def test_policy_loop_saves_only_after_new_timed_steps_and_survives_an_unwritable
     assert cost_store.load(path, SETUP).costs.buckets[(1, 0)].num_steps == 15
 
 
+def test_a_stopping_server_stores_the_steps_timed_since_the_last_save(tmp_path, caplog):
+    """vLLM's SIGTERM handling stops the engine without cancelling the policy task: the engine client's
+    shutdown (endpoint.py) calls ``save_before_shutdown``, which reads the engine's table once more."""
+    core, control = _engine_with_plain_steps()
+    path = tmp_path / "step_costs.json"
+    client = FakeEngineClient(core)
+    loop = SpeculationPolicyLoop(client, PolicySettings(costs_file=str(path), costs_setup=SETUP),
+                                 lambda: ("v0001", None))
+    feed(control, 1, 0, 0.05, 10)
+    asyncio.run(loop.update())  # the first update with timed steps saves
+    feed(control, 1, 0, 0.05, 5)
+    asyncio.run(loop.update())  # within the minute (costs_save_s = 60): not saved
+    assert cost_store.load(path, SETUP).costs.buckets[(1, 0)].num_steps == 10
+    feed(control, 1, 0, 0.05, 7)
+    asyncio.run(loop.save_before_shutdown(5.0))
+    assert cost_store.load(path, SETUP).costs.buckets[(1, 0)].num_steps == 22
+    # an engine that no longer answers: the table the last update read is stored
+    fresh = tmp_path / "other.json"
+    loop = SpeculationPolicyLoop(client, PolicySettings(costs_file=str(fresh), costs_setup=SETUP,
+                                                        costs_save_s=3600.0), lambda: ("v0001", None))
+    loop._saved = (float("inf"), -1)  # no periodic save in this test
+    asyncio.run(loop.update())
+    assert not fresh.exists()
+
+    async def gone(*args):
+        raise RuntimeError("engine core is dead")
+
+    client.call_utility_async = gone
+    with caplog.at_level(logging.INFO, logger="online_opd.speculation"):
+        asyncio.run(loop.save_before_shutdown(1.0))
+    assert "the engine did not answer before shutdown" in caplog.text
+    assert cost_store.load(fresh, SETUP).costs.buckets[(1, 0)].num_steps == 22
+
+
 def test_starting_schedule_and_settings_from_the_stored_costs(tmp_path, caplog):
     cfg = load_config(None, [f"serve.run_dir={tmp_path / 'serve'}"])
     drafter = save_drafter(tiny_drafter(block_size=4), tmp_path / "d", version="v0001",

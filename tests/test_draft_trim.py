@@ -117,6 +117,10 @@ def test_policy_with_trimming_weighs_trimmed_blocks_against_plain_steps():
     assert decide(model, [0.0] * 4, max_k=4, max_batch_size=4, trim_outlook=even, margin=0.05).lookup[4] == 0
     assert decide(model, [0.0] * 4, max_k=4, max_batch_size=4, trim_outlook=even, margin=0.05,
                   current=[0, 4, 4, 4, 4]).lookup[4] == 4
+    # ... but not below plain: 4 x 1.55 / 0.28 = 22.14, 0.3% under plain's 22.2, stops at once
+    under = [[r, 0.5, 0.55] for r in OUTLOOK_GRID]
+    assert decide(model, [0.0] * 4, max_k=4, max_batch_size=4, trim_outlook=under, margin=0.05,
+                  current=[0, 4, 4, 4, 4]).lookup[4] == 0
     # without trimming nothing changes: acceptance 0 never pays, and no thresholds are sent
     untrimmed = decide(model, [0.0] * 4, max_k=4, max_batch_size=4)
     assert untrimmed.lookup == [0, 0, 0, 0, 0] and untrimmed.thresholds is None

@@ -52,9 +52,25 @@ def test_margin_is_a_strict_relative_threshold():
     # goodput(1) = 1.5 / 1.25 = 1.2 = (1 + 0.2) goodput(0): not more than the margin
     assert choose_k([1.0, 1.25], [0.5], margin=0.2) == 0
     assert choose_k([1.0, 1.25], [0.5], margin=0.19) == 1
-    # leaving K=1 for K=0 needs the margin too: goodput(0) = 1 vs goodput(1) = 1.1 / 1.25 = 0.88
-    assert choose_k([1.0, 1.25], [0.1], current_k=1, margin=0.2) == 1  # 1 <= 1.2 * 0.88 = 1.056
-    assert choose_k([1.0, 1.25], [0.1], current_k=1, margin=0.1) == 0  # 1 > 1.1 * 0.88 = 0.968
+    # a serving K > 0 that beats plain stays inside the margin: goodput 1 (K=0), 1.3 / 1.25 = 1.04 (K=1),
+    # 1.6 / 1.4 = 1.143 (K=2), 1.143 / 1.04 = 1.099
+    assert choose_k([1.0, 1.25, 1.4], [0.3, 0.3], current_k=1, margin=0.2) == 1
+    assert choose_k([1.0, 1.25, 1.4], [0.3, 0.3], current_k=1, margin=0.05) == 2
+
+
+def test_a_serving_k_slower_than_plain_is_left_whatever_the_margin():
+    # goodput(0) = 1 vs goodput(1) = 1.1 / 1.25 = 0.88: leaving K=1 needs no margin
+    assert choose_k([1.0, 1.25], [0.1], current_k=1, margin=0.2) == 0
+    assert choose_k([1.0, 1.25], [0.1], current_k=1, margin=0.0) == 0
+    # exactly plain's goodput: K=1 stays (1.25 / 1.25 = 1)
+    assert choose_k([1.0, 1.25], [0.25], current_k=1, margin=0.2) == 1
+    # a forced move goes to the best K not above the serving one: goodput 1, 0.962 (K=1), 1.074 (K=2),
+    # 1.179 (K=3); K=3 beats K=1 by 22.6%, not by the 25% margin, so K=1 goes to 0, not up to 3
+    steps, profile = [1.0, 1.3, 1.35, 1.4], [0.25, 0.2, 0.2]
+    assert choose_k(steps, profile, current_k=1, margin=0.25) == 0
+    assert choose_k(steps, profile, current_k=1, margin=0.2) == 3
+    # K=2 serving (1.074 > 1): above plain, K=3 within the margin: it stays
+    assert choose_k(steps, profile, current_k=2, margin=0.25) == 2
 
 
 def test_unknown_costs_are_never_chosen():
@@ -250,3 +266,30 @@ def test_a_speculative_step_never_looks_cheaper_than_a_plain_one():
     assert decision.lookup == [0] * 9
     # serving K = 4 now: zero acceptance still moves it to 0 (the floor is a real loss, beyond any margin < 8%)
     assert decide(model, [0.0] * 4, max_k=4, max_batch_size=8, margin=0.05, current=[0] + [4] * 8).lookup == [0] * 9
+
+
+def test_an_unmeasured_bucket_costs_at_least_the_ratio_measured_below_it():
+    """A fresh c=4 server (float32 CPU) early on: t(1, 0) still high from few steps, K = 1 measured at
+    b = 4 at 1.34 plain steps, a few K = 2 and K = 4 steps there, nothing at b > 4. The fit's slopes
+    (c1 < 0) made K = 1 look cheaper at b = 5 than at b = 4 (1.27 plain steps at b = 6), and the
+    policy served K = 1 at b = 5 (and, in the server's log, K = 3 from b = 6 on)."""
+    costs = StepCosts()
+    for b, k, seconds, n in [(1, 0, 0.065, 20), (3, 0, 0.0556, 38), (4, 0, 0.0563, 50), (4, 1, 0.0752, 50),
+                             (1, 1, 0.0722, 8), (4, 4, 0.0925, 3), (4, 2, 0.0755, 3)]:
+        for _ in range(n):
+            costs.observe(b, k, seconds)
+    model = CostModel(costs)
+    at_4, at_1 = 0.0752 / 0.0563, 0.0722 / 0.065
+    assert model.ratio_floor(4, 1) == pytest.approx(at_4) and model.ratio_floor(8, 4) == pytest.approx(at_4)
+    assert model.ratio_floor(3, 4) == pytest.approx(at_1)  # only b' <= 3 counts there
+    assert model.ratio_floor(8, 0) == 1.0
+    for b in (5, 6, 16):
+        for k in (1, 2, 3, 4):
+            assert model.seconds(b, k) >= at_4 * model.seconds(b, 0) * (1 - 1e-9), (b, k)
+    assert model.seconds(6, 1) / model.seconds(6, 0) == pytest.approx(at_4)  # the fit alone: 1.27
+    # the measured buckets themselves stay as measured (shrunk toward the fit, not floored)
+    assert model.seconds(4, 1) == pytest.approx(0.0752, rel=0.05)
+    # the drafter (tau(1) = 1.32) does not pay at b = 4, so it is scheduled nowhere above: K = 1 at
+    # b = 1-3, where the measured b = 1 ratio (1.11) is below its tau
+    decision = decide(model, [0.32, 0.103, 0.033, 0.011], max_k=4, max_batch_size=32, margin=0.05)
+    assert decision.schedule == [(1, 3, 1), (4, 32, 0)]

@@ -213,6 +213,8 @@ class SpeculationPolicyLoop:
         once more (at most ``timeout_s``; the engine may already be going) and store it."""
         if not self._remembers():
             return
+        if self._stored is None:  # no update ran yet; file work stays on this thread from here: a
+            self._stored = self._load_costs()  # stopping server may have shut its default executor down
         try:
             status = await asyncio.wait_for(self.engine.engine_core.call_utility_async(STATUS_METHOD),
                                             timeout_s)
@@ -221,7 +223,7 @@ class SpeculationPolicyLoop:
         except Exception as exc:  # a stopping engine: store what the last update read
             logger.info("speculation step costs: the engine did not answer before shutdown (%r); storing "
                         "the table read %s", exc, "at the last update" if self._merged else "(none yet)")
-        await asyncio.to_thread(self._save_costs)
+        self._save_costs()
 
     def _load_costs(self) -> cost_store.StoredCosts:
         stored = cost_store.load(self.settings.costs_file, self.settings.costs_setup)

@@ -41,6 +41,16 @@ goes below t(b, 0) (1 + ``MIN_DRAFT_COST`` K). Without that floor, two noisy
 K = 4 steps (or a fit with c2 < 0) made speculating look cheaper than plain
 decoding, and a drafter with acceptance 0 was served at K = 4 (measured: t(1, 4)
 0.055 s from 2 steps vs t(1, 0) 0.059 s from 500).
+
+Nor does a prediction for a bucket not measured itself go below the relative cost
+measured at a smaller or equal batch size and a smaller or equal K: t(b, K) >=
+t(b, 0) t(b', K') / t(b', 0) for every measured whole-block (b', K') with
+b' <= b, 0 < K' <= K (``ratio_floor``). Drafting more tokens, or verifying them
+for more requests, is never relatively cheaper: a speculative step at K = 4 cost
+1.5 plain steps at b = 1 on the 2-core CPU, 2.3 at b = 8, 3.3 at b = 16. The fit
+alone extrapolates past the measured batch sizes badly: with K = 1 measured at
+b = 4 at 1.34 plain steps (a fresh server at c = 4, float32), it put t(6, 3) at
+the 1.06 floor and the policy scheduled K = 3 for b >= 6.
 """
 
 from __future__ import annotations
@@ -184,11 +194,25 @@ class CostModel:
 
     def seconds(self, batch_size: int, k: int, drafted: float | None = None) -> float | None:
         """Predicted seconds per step with ``drafted`` draft tokens verified (default b K: no block
-        trimmed), never below the plain step's floor; None when nothing measured supports it."""
+        trimmed), never below the plain step's floors (module docstring); None when nothing measured
+        supports it."""
         n = float(batch_size * k) if drafted is None else float(drafted)
         t = self._predict(batch_size, k, n)
         plain = self._predict(batch_size, 0, 0.0) if k > 0 and t is not None else None
-        return t if plain is None else max(t, plain * (1.0 + MIN_DRAFT_COST * n / batch_size))
+        if plain is None:
+            return t
+        floor = 1.0 + MIN_DRAFT_COST * n / batch_size
+        if (batch_size, k) not in self.measured and n >= _WHOLE * batch_size * k:
+            floor = max(floor, self.ratio_floor(batch_size, k))
+        return max(t, plain * floor)
+
+    def ratio_floor(self, batch_size: int, k: int) -> float:
+        """The largest measured t(b', K') / t(b', 0) over whole-block buckets with b' <= ``batch_size`` and
+        0 < K' <= ``k`` (1.0 when there is none): the least relative cost of a step at (b, K)."""
+        ratios = [seconds / self.measured[(b, 0)] for (b, kk), seconds in self.measured.items()
+                  if 0 < kk <= k and b <= batch_size and (b, 0) in self.measured
+                  and self.drafted[(b, kk)] >= _WHOLE * b * kk]
+        return max(ratios, default=1.0)
 
     def _predict(self, batch_size: int, k: int, n: float) -> float | None:
         fitted = self._fitted(batch_size, k, n)
