@@ -10,6 +10,8 @@ import pytest
 from online_opd.speculation.acceptance import AcceptanceCounts, geometric_profile
 from online_opd.speculation.costs import CostModel, StepCosts
 from online_opd.speculation.policy import (
+    PRIOR_COST_PER_TOKEN,
+    _step_seconds,
     break_even_taus,
     choose_k,
     clean_profile,
@@ -64,11 +66,13 @@ def test_a_serving_k_slower_than_plain_is_left_whatever_the_margin():
     assert choose_k([1.0, 1.25], [0.1], current_k=1, margin=0.0) == 0
     # exactly plain's goodput: K=1 stays (1.25 / 1.25 = 1)
     assert choose_k([1.0, 1.25], [0.25], current_k=1, margin=0.2) == 1
-    # a forced move goes to the best K not above the serving one: goodput 1, 0.962 (K=1), 1.074 (K=2),
-    # 1.179 (K=3); K=3 beats K=1 by 22.6%, not by the 25% margin, so K=1 goes to 0, not up to 3
+    # a forced move goes up only to a K that beats plain by the margin, else to the best K not above the
+    # serving one: goodput 1, 0.962 (K=1), 1.074 (K=2), 1.179 (K=3); K=3 beats plain by 17.9% (and K=1 by
+    # 22.6%): with a 20% margin K=1 goes to 0, with 15% up to 3
     steps, profile = [1.0, 1.3, 1.35, 1.4], [0.25, 0.2, 0.2]
     assert choose_k(steps, profile, current_k=1, margin=0.25) == 0
-    assert choose_k(steps, profile, current_k=1, margin=0.2) == 3
+    assert choose_k(steps, profile, current_k=1, margin=0.2) == 0
+    assert choose_k(steps, profile, current_k=1, margin=0.15) == 3
     # K=2 serving (1.074 > 1): above plain, K=3 within the margin: it stays
     assert choose_k(steps, profile, current_k=2, margin=0.25) == 2
 
@@ -222,6 +226,32 @@ def test_conservative_decision_uses_costs_measured_at_batch_size_one():
     decision = decide(model, [0.5] * 4, max_k=4, max_batch_size=4, margin=0.0)
     assert decision.is_conservative and decision.schedule == [(1, 1, 3), (2, 4, 0)]
     # tau(3) / (1 + 0.375) = 2.5 / 1.375 = 1.818 > tau(2) / 1.25 = 1.6, tau(1) / 1.125 = 1.333
+
+
+def test_conservative_prices_an_unmeasured_k_at_least_at_a_smaller_measured_ks_ratio():
+    """A fresh c=1 server (float32 CPU, 08:43:47): t(1, 1) measured at 1.32 t(1, 0) with tau(1) 1.279 (no
+    pay), and K = 2 unmeasured, priced by the prior at 1.25: goodput 1.357 / 1.25 beat plain by 8.5% and
+    K = 2 served 711 steps, as slow per token as plain (it also beat the serving K = 1 by 6%). Priced at
+    K = 1's 1.32 it gains 2.8% over plain: inside the margin, so the server goes from K = 1 (below plain)
+    to 0."""
+    costs = StepCosts()
+    for k, seconds in [(0, 0.0446), (1, 0.0589)]:
+        for _ in range(20):
+            costs.observe(1, k, seconds)
+    model = CostModel(costs)
+    assert not model.knows_speculation
+    profile = [0.279, 0.078, 0.022, 0.006]
+    seconds = _step_seconds(model, 1, 4, True, PRIOR_COST_PER_TOKEN)
+    assert seconds[1] == pytest.approx(0.0589)
+    assert [t / 0.0446 for t in seconds[2:]] == pytest.approx([0.0589 / 0.0446, 1.375, 1.5])  # then the prior
+    decision = decide(model, profile, max_k=4, max_batch_size=4, margin=0.05, current=[0, 1, 0, 0, 0])
+    assert decision.is_conservative and decision.lookup == [0, 0, 0, 0, 0]
+    # the prior alone (K = 1 measured cheap, 1.05) still lets the unmeasured K = 2 be tried at 1.25
+    cheap = StepCosts()
+    for k, seconds in [(0, 0.0446), (1, 0.0446 * 1.05)]:
+        for _ in range(20):
+            cheap.observe(1, k, seconds)
+    assert _step_seconds(CostModel(cheap), 1, 4, True, PRIOR_COST_PER_TOKEN)[2] == pytest.approx(0.0446 * 1.25)
 
 
 def test_a_rare_batch_sizes_noisy_bucket_is_shrunk_toward_the_fit():

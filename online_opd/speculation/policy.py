@@ -18,7 +18,8 @@ tau(K) > t(b, K) / t(b, 0): the break-even tau (``break_even_taus``).
 
 The margin guards switching speculation on or up, never staying slower than
 plain: a serving K > 0 whose goodput is predicted below plain decoding's is left
-at once for the best K not above it (often 0). Plain decoding is the product's
+at once, for a larger K only if that beats plain by the margin, else for the
+best K not above it (often 0). Plain decoding is the product's
 floor, and the first K > 0 is often chosen on few explored steps and a fitted
 cost: a fresh server at c = 4 (float32 CPU) chose K = 1 at b = 4 that way, then
 measured t(4, 1) at 1.34 t(4, 0) with tau(1) = 1.32, a predicted 1.1% loss, and
@@ -32,14 +33,16 @@ profiles a_k = alpha^k as alpha grows (sum of alpha^j over K1 < j <= K2 against
 the lower powers) and for a profile scaled up, a_k -> c a_k with c > 1. So such
 better acceptance never lowers the chosen K (with or without the margin): the
 serving K's goodput relative to plain only grows, so better acceptance never
-forces it down, and the K a forced move goes to (the best K <= K_now) is itself
-monotone.
+forces it down, and where a move is forced its target is monotone too (a larger
+K's lead over plain grows with acceptance; the best K <= K_now is monotone).
 
 Without a cost model for K > 0 (nothing speculative measured yet) the schedule
 is conservative: K = 0 for b > 1, and at b = 1 the K the policy picks with the
 costs measured at b = 1 and, for the K not measured there, a prior cost ratio
 t(1, K) / t(1, 0) = 1 + ``prior_cost_per_token`` K (0.125: a K = 4 step cost 1.5
-plain steps on the 2-core CPU); it speculates only when acceptance is known to
+plain steps on the 2-core CPU), or the largest ratio measured at a smaller K when
+that is higher (a c=1 server measured K = 1 at 1.32 plain steps and moved to an
+unmeasured K = 2 priced at 1.25); it speculates only when acceptance is known to
 pay by the margin.
 
 With draft trimming (trim.py: each request verifies only the leading drafted
@@ -97,10 +100,14 @@ def choose_k(step_seconds: Sequence[float | None], acceptance: Sequence[float], 
         return current_k
     best = max(known, key=lambda k: (goodput[k], -k))  # ties: the smaller K
     now = goodput[current_k] if current_k < len(goodput) else None
-    if now is None or goodput[best] > (1.0 + margin) * now:
+    if now is None:
         return best
     if current_k > 0 and goodput[0] is not None and now < goodput[0]:  # never stay slower than plain
+        if goodput[best] > (1.0 + margin) * goodput[0]:  # up only where it beats plain by the margin
+            return best
         return max((k for k in known if k <= current_k), key=lambda k: (goodput[k], -k))
+    if goodput[best] > (1.0 + margin) * now:
+        return best
     return current_k
 
 
@@ -181,6 +188,13 @@ def _step_seconds(model: CostModel | None, b: int, max_k: int, is_conservative: 
             return None
         measured = model.measured if model is not None else {}
         plain = measured.get((1, 0)) or (model.seconds(1, 0) if model is not None else None) or 1.0
-        return [plain if k == 0 else max(measured.get((1, k)) or plain * (1.0 + prior * k),
-                                         plain * (1.0 + MIN_DRAFT_COST * k)) for k in range(max_k + 1)]
+        seconds, least = [plain], 1.0  # least: the largest ratio t(1, K') / t(1, 0) measured below K
+        for k in range(1, max_k + 1):
+            t = measured.get((1, k))
+            if t is not None:
+                least = max(least, t / plain)
+            else:  # an unmeasured K is never relatively cheaper than a measured smaller one
+                t = plain * max(1.0 + prior * k, least)
+            seconds.append(max(t, plain * (1.0 + MIN_DRAFT_COST * k)))
+        return seconds
     return [model.seconds(b, k) for k in range(max_k + 1)]
