@@ -27,6 +27,7 @@ from typing import Any
 
 import torch
 
+from serve.clients import openai_client
 from serve.launcher import ROOT, ServerProcess, emit_result, tau
 
 logger = logging.getLogger("dtype_parity")
@@ -54,13 +55,11 @@ def read_records(buffer: Path, count: int, timeout: float = 120) -> list:
 
 def serve_once(dtype: str, run_dir: Path, work: Path, rollouts, repeats: int,
                speculation: str = "always") -> tuple[list, list, dict]:
-    from openai import OpenAI
-
     server = ServerProcess(work / f"{dtype}-{speculation}", CONFIG, "--drafter", str(run_dir / "drafter"),
                            "-o", f"model.dtype={dtype}", "--speculation", speculation)
     try:
         server.wait_ready(timeout=900)
-        client = OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=300)
+        client = openai_client(f"{server.url}/v1", timeout=300)
         model = client.models.list().data[0].id
         before = server.metrics()
         outputs = []

@@ -57,6 +57,7 @@ from typing import Any
 import httpx
 
 from online_opd.data import Prompt
+from serve.clients import http_limits, openai_client
 from serve.launcher import ROOT, ServerProcess, benchmark_logging, emit_result
 from serve.loadgen import select_prompts
 
@@ -206,13 +207,11 @@ def r4(x: float | None) -> float | None:
 
 
 async def measure(server: ServerProcess, args: argparse.Namespace, paths: list[tuple[Path, str]]) -> dict:
-    from openai import AsyncOpenAI
-
     prompts = select_prompts("sharegpt", "held_out", 256, seed=0)
-    openai_client = AsyncOpenAI(base_url=f"{server.url}/v1", api_key="EMPTY", max_retries=0, timeout=600)
-    admin_client = httpx.AsyncClient(base_url=f"{server.url}/online-opd/v1", timeout=120,
+    api_client = openai_client(f"{server.url}/v1", asynchronous=True, timeout=600)
+    admin_client = httpx.AsyncClient(base_url=f"{server.url}/online-opd/v1", timeout=120, limits=http_limits(),
                                      headers={"Authorization": f"Bearer {TOKEN}"})
-    async with openai_client as client, admin_client as admin:
+    async with api_client as client, admin_client as admin:
         model = (await client.models.list()).data[0].id
         warm = [Stream(start=time.perf_counter()) for _ in range(args.concurrency)]
         await asyncio.gather(*(stream_request(client, model, prompts[-1 - i], args.max_tokens, w)

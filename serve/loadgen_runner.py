@@ -25,7 +25,9 @@ A request opts out of capture with ``extra_body={"vllm_xargs":
 exactly ``round-down(N F)`` of N, so small runs get the fraction they ask for.
 
 The client never retries (``max_retries=0``): a retry would hide a failure
-and inflate latency.  Failed requests are counted by exception type and never
+and inflate latency. It drops a connection idle for 2 s, before the server's
+keep-alive timeout closes it (serve.clients), so a pause between requests
+does not turn into a spurious connection error.  Failed requests are counted by exception type and never
 stop the run; Ctrl-C stops issuing, cancels the requests in flight, and the
 summary so far is still returned.
 """
@@ -46,6 +48,7 @@ from dataclasses import asdict
 from typing import IO, Any
 
 from online_opd.data import HUMANEVAL_TEMPLATE, Prompt, load_prompts
+from serve.clients import openai_client
 from serve.loadgen_config import LoadConfig
 from serve.loadgen_stats import RequestResult, summarize
 
@@ -108,12 +111,11 @@ class _Load:
         self.bar: Any = None
 
     async def run(self) -> dict[str, Any]:
-        from openai import AsyncOpenAI
         from tqdm.auto import tqdm
 
         api_key = self.cfg.api_key or os.environ.get("OPENAI_API_KEY") or "EMPTY"
-        async with AsyncOpenAI(base_url=self.cfg.base_url, api_key=api_key, timeout=self.cfg.timeout,
-                               max_retries=0) as client:
+        async with openai_client(self.cfg.base_url, asynchronous=True, api_key=api_key,
+                                 timeout=self.cfg.timeout) as client:
             if not self.model:
                 self.model = await _first_model(client, self.cfg.base_url)
             logger.info("loadgen: %s %s at %s, %s", self.cfg.endpoint, self.model, self.cfg.base_url,

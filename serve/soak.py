@@ -35,6 +35,7 @@ from typing import Any
 import httpx
 
 from online_opd.traces.records import SequenceRecord
+from serve.clients import http_limits
 from serve.loadgen import opts_out
 
 
@@ -98,7 +99,7 @@ class _Traffic:
 
     async def run(self) -> list[SoakRequest]:
         s = self.settings
-        limits = httpx.Limits(max_connections=s.concurrency + 4)
+        limits = http_limits(s.concurrency + 4)
         async with httpx.AsyncClient(base_url=s.base_url, timeout=s.timeout_s, limits=limits) as client:
             self.model = (await client.get("/v1/models")).json()["data"][0]["id"]
             deadline = time.monotonic() + s.duration_s

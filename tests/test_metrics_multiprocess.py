@@ -22,6 +22,7 @@ import pytest
 
 from online_opd.release.registry import DrafterRegistry
 from online_opd.traces.buffer import BufferReader
+from serve.clients import openai_client
 from serve.launcher import ServerProcess
 from tests.serving import ROOT, TOKEN
 
@@ -138,18 +139,16 @@ def test_two_api_servers_share_metrics_one_reloader_and_the_pin(trained_run, tmp
     `--api-server-count 2` with one engine takes the same paths (two API servers in multiprocess
     mode, API server 0 polling, an admin call answered by either): data parallelism adds the second
     engine, so it alone is served here (CI time; the fast tests above cover the mirror itself)."""
-    from openai import OpenAI
-
     server = ServerProcess(tmp_path / "serve", ROOT / "configs" / "test-online.yaml", "--data-parallel-size", "2",
                            "-o", f"bootstrap.output_dir={trained_run}", "-o", "gate.every_steps=1000000",
                            token=TOKEN)  # no promotion moves CURRENT (the pin is checked against it)
     try:
         server.wait_ready()
-        client = OpenAI(base_url=f"{server.url}/v1", api_key="x", max_retries=0)
+        client = openai_client(f"{server.url}/v1")
         model = client.models.list().data[0].id
         num_requests = 6
         for i in range(num_requests):  # a new connection each: the kernel spreads them over both processes
-            with OpenAI(base_url=f"{server.url}/v1", api_key="x", max_retries=0) as one:
+            with openai_client(f"{server.url}/v1") as one:
                 one.chat.completions.create(model=model, max_tokens=16, temperature=0,
                                             messages=[{"role": "user", "content": f"Count to {i}."}])
         scrapes = wait_scrapes(server, lambda m: m.get("online_opd_records_captured_total", 0) >= num_requests

@@ -20,6 +20,7 @@ import pytest
 
 from online_opd.release.registry import DrafterRegistry
 from online_opd.traces.buffer import BufferReader
+from serve.clients import openai_client
 from serve.launcher import ServerProcess
 from tests.ray_cluster import ray_head
 from tests.serving import ROOT, TOKEN
@@ -39,9 +40,7 @@ def wait_for(condition, timeout: float, what: str):
 
 
 def send(server: ServerProcess, tag: str) -> None:
-    from openai import OpenAI
-
-    with OpenAI(base_url=f"{server.url}/v1", api_key="x", max_retries=0) as client:
+    with openai_client(f"{server.url}/v1") as client:
         model = client.models.list().data[0].id
         for i in range(NUM_REQUESTS):
             client.chat.completions.create(model=model, max_tokens=24, temperature=0,

@@ -27,6 +27,7 @@ from online_opd.opd.rollout import propose_all
 from online_opd.traces.buffer import BufferReader
 from online_opd.traces.records import check_fidelity
 from online_opd.train.sequences import TrainSequence
+from serve.clients import openai_client
 from tests.serving import Server, random_drafter, running, tau
 
 pytestmark = pytest.mark.slow
@@ -40,7 +41,7 @@ def server(trained_run, tmp_path_factory):
 
 
 def client(server: Server) -> OpenAI:
-    return OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=300)
+    return openai_client(f"{server.url}/v1", timeout=300)
 
 
 def complete(c: OpenAI, prompt: list[int], *, temperature: float, stream: bool,
