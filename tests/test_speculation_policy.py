@@ -8,7 +8,7 @@ import random
 import pytest
 
 from online_opd.speculation.acceptance import AcceptanceCounts, geometric_profile
-from online_opd.speculation.costs import CostModel, StepCosts
+from online_opd.speculation.costs import CostModel, StepCosts, with_prior
 from online_opd.speculation.policy import (
     PRIOR_COST_PER_TOKEN,
     _step_seconds,
@@ -129,14 +129,62 @@ def test_geometric_profile_inverts_tau():
 
 # -- costs ----------------------------------------------------------------------------------------
 def test_step_costs_mean_then_ewma():
-    costs = StepCosts(alpha=0.5)
+    former = StepCosts(alpha=0.5, track_speed=False)
+    costs = StepCosts(alpha=0.5, relative_alpha=0.5)
     for seconds in (1.0, 2.0, 3.0):
+        former.observe(2, 0, seconds, num_tokens=2)
         costs.observe(2, 0, seconds, num_tokens=2)
-    # weights max(0.5, 1/n): 1 -> 1.5 (w 1/2) -> 2.25 (w 1/2)
-    assert costs.to_rows() == [[2, 0, 2.25, 3, 6.0, 6, 0.0]]
+    # weights max(0.5, 1/n): 1 -> 1.5 (w 1/2) -> 2.25 (w 1/2); too few steps to move the speed factor
+    assert former.to_rows() == costs.to_rows() == [[2, 0, 2.25, 3, 6.0, 6, 0.0]]
     assert StepCosts.from_rows(costs.to_rows()).to_rows() == costs.to_rows()
     with pytest.raises(ValueError, match="alpha=0"):
         StepCosts(alpha=0)
+    with pytest.raises(ValueError, match="relative_alpha=2"):
+        StepCosts(relative_alpha=2)
+
+
+def _drifting_machine(costs: StepCosts) -> StepCosts:
+    """Plain steps cost 1.0 and K = 1 steps 1.2 at speed 1; the machine then slows to 1.3x (a trainer
+    starts) while the schedule serves K = 1, with a burst of plain steps now and then (exploration)."""
+    for _ in range(60):
+        costs.observe(1, 0, 1.0)
+    for _ in range(60):
+        costs.observe(1, 1, 1.2)
+    for i in range(600):
+        costs.observe(1, 1, 1.2 * 1.3)
+        if i % 150 == 149:
+            costs.observe(1, 0, 1.3)
+    return costs
+
+
+def test_step_costs_keep_ratios_when_the_machine_drifts():
+    costs = _drifting_machine(StepCosts())
+    (b0, k0, plain, *_), (b1, k1, spec, *_) = costs.to_rows()
+    assert (b0, k0, b1, k1) == (1, 0, 1, 1)
+    assert spec == pytest.approx(1.56, rel=0.01)  # today's cost of the serving K
+    # the slowdown, seen through K = 1 steps alone, is split between the speed factor (to 1.24) and the
+    # serving bucket (1.2 -> 1.27 at speed 1): the ratio the policy compares is 5% high, not 30%
+    assert costs.speed == pytest.approx(1.3, rel=0.06)
+    assert plain == pytest.approx(1.3, rel=0.06)  # plain steps at today's speed, seen in 4 steps since
+    assert 1.2 <= spec / plain < 1.27
+    # the former per-bucket means compare 1.56 now with 1.0 measured before the slowdown
+    former = _drifting_machine(StepCosts(track_speed=False)).to_rows()
+    assert former[1][2] / former[0][2] > 1.45
+    # CostModel and with_prior read the rows at today's speed
+    model = CostModel(costs, min_steps=1, prior_steps=0)
+    assert model.measured[(1, 1)] / model.measured[(1, 0)] == pytest.approx(spec / plain)
+    merged = with_prior(costs, StepCosts(), max_prior_steps=16)
+    assert [row[2] for row in merged.to_rows()] == pytest.approx([plain, spec])
+
+
+def test_one_slow_step_moves_the_speed_factor_by_a_bounded_amount():
+    costs = StepCosts(alpha=0.05)
+    for _ in range(40):
+        costs.observe(4, 0, 0.05)
+    assert costs.speed == pytest.approx(1.0)
+    costs.observe(4, 0, 0.5)  # a 10x pause (preemption, a collection): winsorised at 1.5x the prediction
+    assert costs.speed == pytest.approx(1.0 + 0.05 * 0.5)
+    assert costs.to_rows()[0][4] == pytest.approx(40 * 0.05 + 0.5)  # the totals stay the raw seconds
 
 
 def test_cost_model_fits_the_bilinear_model_and_uses_measured_buckets():

@@ -346,7 +346,7 @@ def test_serve_argv_and_env_per_speculation_mode(tmp_path):
 
     auto = env()
     assert json.loads(auto[SPECULATION_ENV]) == {"explore_share": 0.01, "explore_steps": 3, "cost_alpha": 0.05,
-                                                 "time_trimmed_steps": False}
+                                                 "cost_relative_alpha": 0.01, "time_trimmed_steps": False}
     assert EndpointSettings.model_validate_json(auto[SERVE_ENV]).policy.interval_s == 2.0
     for mode in ("always", "never"):
         other = env(f"serve.speculation={mode}")

@@ -75,7 +75,8 @@ class SpeculationSettings(BaseModel):
 
     explore_share: float = Field(0.01, ge=0, le=0.5)
     explore_steps: int = Field(3, ge=2)
-    cost_alpha: float = Field(0.05, gt=0, le=1)
+    cost_alpha: float = Field(0.05, gt=0, le=1)  # the step-cost table's speed factor (costs.py)
+    cost_relative_alpha: float = Field(0.01, gt=0, le=1)  # its buckets' relative costs
     # draft trimming on (draft_trim.py): also time decode steps whose requests verify fewer than K drafts
     time_trimmed_steps: bool = False
 
@@ -90,7 +91,7 @@ class SpeculationControl:
         self.settings = settings
         self.max_k = max_k
         self.policy_lookup = list(lookup)
-        self.costs = StepCosts(settings.cost_alpha)
+        self.costs = StepCosts(settings.cost_alpha, settings.cost_relative_alpha)
         self.acceptance = AcceptanceCounts()
         self.counters = {"steps": 0, "explored_steps": 0, "timed_steps": 0, "errors": 0}
         # steps the cost table does not time (prefill chunks, mixed, first steps after a K change), by
@@ -178,6 +179,7 @@ class SpeculationControl:
         return {"max_k": self.max_k, "max_batch_size": max(len(self.policy_lookup) - 1, 0),
                 "lookup": list(self.policy_lookup), "serving_lookup": list(serving_lookup or []),
                 "exploring_k": self._explore_k, "costs": self.costs.to_rows(),
+                "cost_speed": self.costs.speed,
                 "acceptance": self.acceptance.to_dict(), "settings": self.settings.model_dump(),
                 "explore_share": self.explore_share, "untimed": {k: list(v) for k, v in self.untimed.items()},
                 **self.counters}

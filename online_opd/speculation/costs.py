@@ -1,10 +1,37 @@
 """Engine step costs t(b, K): seconds per step for b running requests and K speculative tokens.
 
 ``StepCosts`` keeps one bucket per (b, K) measured on the running engine (K = 0:
-a step without drafts): the mean of its first ``1/alpha`` steps, then an
-exponentially weighted mean (weight ``alpha``) that follows drift, such as a
-trainer starting on the same cores. Only steady decode steps are observed (the
-engine hook decides which: vllm_patches/speculation.py).
+a step without drafts). Only steady decode steps are observed (the engine hook
+decides which: vllm_patches/speculation.py). The machine's speed drifts (a
+trainer starting on the same cores, other tenants, longer contexts), and the
+buckets are fed at different times: the serving K's every step, the others only
+by exploration bursts (1% of steps). Comparing a bucket's recent mean with one
+measured minutes earlier compares two machine states, not two K. So the table
+separates the two:
+
+    t(b, K, now) = speed(now) x m(b, K)
+
+``speed`` is one factor for every bucket, an exponentially weighted mean (weight
+``alpha``) of t_step / m(b, K) over the steps of buckets with at least
+``reference_steps`` steps (the serving K's, mostly); m(b, K) is the bucket's
+cost in the units of speed 1, the mean of t_step / speed over its first
+``1/relative_alpha`` steps, then an exponentially weighted mean (weight
+``relative_alpha``) that follows slow changes of relative cost. A step is
+winsorised at [1/1.5, 1.5] x its bucket's prediction first, once the bucket has
+4 steps (a 0.5 s pause moved the speed factor 45% in one step, and a bucket
+that first ran just then took its level at the wrong speed). The rows (``to_rows``) give speed x m: every bucket at today's speed,
+their ratios drift-free. Replayed from the step profiles of five benchmark runs
+(benchmarks/step_cost_drift.py, benchmarks/results/step_cost_drift.json), the
+ratio t(b, K) / t(b, 0) the policy compares wandered with a standard deviation
+of 0.03-0.14 under the former per-bucket EMA (weight 0.05) and 0.01-0.02 with
+the speed factor; against the ratio of the two buckets' medians within 15 s
+windows, its root-mean-square error was 4.6% on average over seven (b, K) pairs
+(1-9%) against 11% (6-24%), lower in six of the seven. In one c = 4 run the EMA
+put t(4, 2) at 1.09 t(4, 0) while the two measured 1.42 apart in the same 15 s.
+What the split cannot tell apart is a change of speed seen through one bucket
+alone: the serving bucket takes a share of it (a 30% slowdown seen only through
+K = 1 steps left t(1, 1) / t(1, 0) at 1.26 instead of 1.20, the former EMA at
+1.56; tests/test_speculation_policy.py), until steps of the other buckets come.
 
 ``CostModel`` predicts t(b, K) everywhere from those buckets. A bucket with at
 least ``min_steps`` steps is used as measured, shrunk toward the fit below by
@@ -70,20 +97,34 @@ MIN_DRAFT_COST = 0.02
 
 @dataclass
 class CostBucket:
-    seconds: float  # mean seconds per step (running mean, then EWMA)
+    seconds: float  # mean seconds per step at speed 1 (running mean, then EWMA: StepCosts)
     num_steps: int
     total_seconds: float = 0.0  # every observed step, for measured rates over a window
     total_tokens: int = 0  # output tokens those steps produced
     drafted: float = 0.0  # mean draft tokens verified per step (same weights as ``seconds``)
 
 
-class StepCosts:
-    """Measured seconds per engine step by (batch size, K)."""
+#: a step is winsorised at [1/WINSOR, WINSOR] x its bucket's prediction before it updates anything
+WINSOR = 1.5
+WINSOR_AFTER = 4
 
-    def __init__(self, alpha: float = 0.05):
-        if not 0 < alpha <= 1:
-            raise ValueError(f"alpha={alpha}: the EWMA weight must be in (0, 1]")
-        self.alpha = alpha
+
+class StepCosts:
+    """Measured seconds per engine step by (batch size, K), with a common speed factor (module docstring).
+
+    ``track_speed=False`` keeps the former estimator: per-bucket means of the raw seconds, weight ``alpha``
+    (benchmarks/step_cost_drift.py compares the two)."""
+
+    def __init__(self, alpha: float = 0.05, relative_alpha: float = 0.01, reference_steps: int = 20,
+                 track_speed: bool = True):
+        for name, value in (("alpha", alpha), ("relative_alpha", relative_alpha)):
+            if not 0 < value <= 1:
+                raise ValueError(f"{name}={value}: an EWMA weight must be in (0, 1]")
+        if reference_steps < 1:
+            raise ValueError(f"reference_steps={reference_steps}: a number of steps, >= 1")
+        self.alpha, self.relative_alpha, self.reference_steps = alpha, relative_alpha, reference_steps
+        self.track_speed = track_speed
+        self.speed = 1.0  # today's seconds per step over the buckets' (``seconds`` are at speed 1)
         self.buckets: dict[tuple[int, int], CostBucket] = {}
 
     def observe(self, batch_size: int, k: int, seconds: float, num_tokens: int = 0,
@@ -93,24 +134,36 @@ class StepCosts:
         drafted = batch_size * k if num_drafted is None else num_drafted
         bucket = self.buckets.get((batch_size, k))
         if bucket is None:
-            self.buckets[(batch_size, k)] = CostBucket(seconds, 1, seconds, num_tokens, float(drafted))
+            at_unit_speed = seconds / self.speed if self.track_speed else seconds
+            self.buckets[(batch_size, k)] = CostBucket(at_unit_speed, 1, seconds, num_tokens, float(drafted))
             return
         bucket.num_steps += 1
         bucket.total_seconds += seconds
         bucket.total_tokens += num_tokens
-        weight = max(self.alpha, 1.0 / bucket.num_steps)  # the plain mean until 1/alpha steps
-        bucket.seconds += weight * (seconds - bucket.seconds)
+        if self.track_speed:
+            x = seconds
+            if bucket.num_steps > WINSOR_AFTER:  # the prediction rests on a few steps at least
+                predicted = self.speed * bucket.seconds
+                x = min(max(seconds, predicted / WINSOR), predicted * WINSOR)
+            if bucket.num_steps > self.reference_steps:
+                self.speed += self.alpha * (x / bucket.seconds - self.speed)
+            x, alpha = x / self.speed, self.relative_alpha
+        else:
+            x, alpha = seconds, self.alpha
+        weight = max(alpha, 1.0 / bucket.num_steps)  # the plain mean until 1/alpha steps
+        bucket.seconds += weight * (x - bucket.seconds)
         bucket.drafted += weight * (drafted - bucket.drafted)
 
     def to_rows(self) -> list[list[float]]:
         """JSON-safe ``[[b, K, seconds, num_steps, total_seconds, total_tokens, drafted], ...]`` sorted by
-        (b, K)."""
-        return [[b, k, v.seconds, v.num_steps, v.total_seconds, v.total_tokens, v.drafted]
+        (b, K); ``seconds`` at today's speed."""
+        return [[b, k, self.speed * v.seconds, v.num_steps, v.total_seconds, v.total_tokens, v.drafted]
                 for (b, k), v in sorted(self.buckets.items())]
 
     @classmethod
     def from_rows(cls, rows: list[list[float]], alpha: float = 0.05) -> StepCosts:
-        """The inverse of ``to_rows``; a row without ``drafted`` (six columns) verified b K per step."""
+        """The inverse of ``to_rows`` (at speed 1); a row without ``drafted`` (six columns) verified b K per
+        step."""
         costs = cls(alpha)
         for b, k, seconds, n, total_seconds, total_tokens, *drafted in rows:
             costs.buckets[(int(b), int(k))] = CostBucket(float(seconds), int(n), float(total_seconds),
@@ -129,6 +182,7 @@ def with_prior(live: StepCosts, prior: StepCosts, max_prior_steps: int) -> StepC
     if max_prior_steps < 0:
         raise ValueError(f"max_prior_steps={max_prior_steps}: a number of steps, >= 0")
     merged = StepCosts(live.alpha)
+    live, prior = StepCosts.from_rows(live.to_rows(), live.alpha), StepCosts.from_rows(prior.to_rows())
     for key in sorted(set(live.buckets) | set(prior.buckets)):
         now, stored = live.buckets.get(key), prior.buckets.get(key)
         w = min(stored.num_steps, max_prior_steps) if stored is not None else 0
@@ -155,13 +209,14 @@ class CostModel:
     """t(b, K) from measured buckets: measured where well sampled, fitted elsewhere (module docstring)."""
 
     def __init__(self, costs: StepCosts, *, min_steps: int = 8, max_weight: int = 50, prior_steps: int = 32):
-        self.measured = {key: v.seconds for key, v in costs.buckets.items() if v.num_steps >= min_steps}
+        self.measured = {key: costs.speed * v.seconds for key, v in costs.buckets.items() if v.num_steps >= min_steps}
         self.num_steps = {key: costs.buckets[key].num_steps for key in self.measured}
         self.drafted = {key: costs.buckets[key].drafted for key in self.measured}
         self.prior_steps = prior_steps
         self.terms: tuple[str, ...] = ()
         self.coefficients = np.zeros(0)
-        rows = [(b, k, v.drafted, v.seconds, min(v.num_steps, max_weight)) for (b, k), v in costs.buckets.items()]
+        rows = [(b, k, v.drafted, costs.speed * v.seconds, min(v.num_steps, max_weight))
+                for (b, k), v in costs.buckets.items()]
         for terms in _BASES:
             if "n" in terms:  # needs trimmed buckets at two (b, K) at least, else n is b K all over
                 trimmed = sum(1 for r in rows if r[1] > 0 and r[2] < _WHOLE * r[0] * r[1])
