@@ -200,6 +200,20 @@ def test_cost_model_fits_the_bilinear_model_and_uses_measured_buckets():
     assert shrunk.seconds(16, 0) == pytest.approx((5.0 + 32 * shrunk._fitted(16, 0)) / 33)
 
 
+def test_the_fit_never_makes_a_part_of_a_step_cost_less_than_nothing():
+    # a fresh c=8 server's first buckets: warm-up steps at small b cost more than later steps at b=7-8
+    # (2026-12-05): the plain fit's c1 < 0 predicted t(31, 0) = 0 and scheduled K = 1 at b = 31-32 alone
+    costs = StepCosts.from_rows([[1, 0, 0.115, 40, 4.6, 40], [2, 0, 0.108, 12, 1.3, 24],
+                                 [3, 0, 0.101, 10, 1.0, 30], [7, 0, 0.0726, 30, 2.2, 210],
+                                 [8, 0, 0.0645, 60, 3.9, 480], [1, 1, 0.118, 12, 1.4, 16],
+                                 [8, 1, 0.084, 9, 0.76, 95]])
+    model = CostModel(costs)
+    assert model.knows_speculation and min(model.describe().values()) >= 0.0, model.describe()
+    assert model.seconds(31, 0) >= model.seconds(8, 0) > 0.05
+    decision = decide(model, [0.358, 0.083, 0.014, 0.001], max_k=4, max_batch_size=32)
+    assert decision.lookup[8:] == [0] * 25, decision.schedule  # break-even at b=8: 0.084 / 0.0645 = 1.30
+
+
 def test_cost_model_with_partial_measurements():
     assert CostModel(StepCosts()).seconds(1, 0) is None
     only_plain = CostModel(linear_costs([(1, 0), (4, 0)]))
@@ -317,7 +331,8 @@ def test_a_rare_batch_sizes_noisy_bucket_is_shrunk_toward_the_fit():
             costs.observe(b, k, seconds)
     acceptance = [0.329, 0.098, 0.022, 0.0]
     unshrunk = CostModel(costs, prior_steps=0)
-    assert unshrunk.seconds(7, 0) == 0.04291 and break_even_taus(unshrunk, 7, 2) == pytest.approx([1.02, 1.05], abs=0.005)
+    # (the fit's c2 comes out < 0 here and is held at 0: non-negative least squares; it was 1.05 at K = 2)
+    assert unshrunk.seconds(7, 0) == 0.04291 and break_even_taus(unshrunk, 7, 2) == pytest.approx([1.02, 1.06], abs=0.005)
     assert decide(unshrunk, acceptance, max_k=4, max_batch_size=32).lookup[7] == 2
     model = CostModel(costs)
     fit = model._fitted(7, 0)

@@ -289,10 +289,10 @@ def test_window_rates_compare_measured_and_predicted_over_the_same_steps():
 
     before = [[1, 0, 0.1, 10, 1.0, 10]]
     after = [[1, 0, 0.1, 30, 3.0, 30], [2, 0, 0.2, 10, 2.0, 20]]
-    model = CostModel(StepCosts.from_rows([[1, 0, 0.1, 30, 3, 30], [2, 0, 0.25, 10, 2, 20]]))
+    model = CostModel(StepCosts.from_rows([[1, 0, 0.1, 30, 3, 30], [2, 0, 0.15, 10, 2, 20]]))
     measured, predicted = window_rates(before, after, model, [0.0])
     assert measured == pytest.approx((20 + 20) / (2.0 + 2.0))
-    assert predicted == pytest.approx((20 * 1 + 10 * 2) / (20 * 0.1 + 10 * 0.25))
+    assert predicted == pytest.approx((20 * 1 + 10 * 2) / (20 * 0.1 + 10 * 0.15))
     assert window_rates(after, after, model, [0.0]) == (None, None)
 
 
