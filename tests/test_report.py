@@ -300,7 +300,10 @@ def test_scrape_loop_skips_failures(tmp_path, monkeypatch):
     url = f"http://127.0.0.1:{server.server_address[1]}/"
     out = tmp_path / "s" / "scrapes.jsonl"
     try:
-        summary = scrape_loop(url, out, interval_s=0.01, stop=stop)
+        # a request timeout of its own: the default (the interval, 10 ms) starved this process's server
+        # thread of the GIL while each failed scrape built a new client, and the loop never stopped (seen
+        # once in a local run: 7 min at 100% CPU); and a duration, so that a failure ends the test
+        summary = scrape_loop(url, out, interval_s=0.01, stop=stop, timeout=10.0, duration_s=120)
         once = scrape_loop(url, out, interval_s=60, duration_s=0)  # duration 0: one scrape, no wait
     finally:
         server.shutdown()
