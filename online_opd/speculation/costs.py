@@ -19,8 +19,9 @@ cost in the units of speed 1, the mean of t_step / speed over its first
 ``relative_alpha``) that follows slow changes of relative cost. A step is
 winsorised at [1/1.5, 1.5] x its bucket's prediction first, once the bucket has
 4 steps (a 0.5 s pause moved the speed factor 45% in one step, and a bucket
-that first ran just then took its level at the wrong speed). The rows (``to_rows``) give speed x m: every bucket at today's speed,
-their ratios drift-free. Replayed from the step profiles of five benchmark runs
+that first ran just then took its level at the wrong speed). The rows
+(``to_rows``) give speed x m: every bucket at today's speed, their ratios
+drift-free. Replayed from the step profiles of five benchmark runs
 (benchmarks/step_cost_drift.py, benchmarks/results/step_cost_drift.json), the
 ratio t(b, K) / t(b, 0) the policy compares wandered with a standard deviation
 of 0.03-0.14 under the former per-bucket EMA (weight 0.05) and 0.01-0.02 with
@@ -48,8 +49,8 @@ fitted by least squares over the buckets (weight: the bucket's step count,
 capped), every coefficient non-negative (where the plain fit gives one below 0,
 the non-negative least-squares fit: the first buckets of a fresh c = 8 server,
 t(1, 0) 115 ms at warm-up against t(7, 0) 73 ms, gave c1 < 0, predicted
-t(31, 0) = 0 and scheduled K = 1 at b = 31-32 alone): a fixed part per step, a part per request (the target's token and the
-drafter's context for it), a part per speculative token that does not depend on
+t(31, 0) = 0 and scheduled K = 1 at b = 31-32 alone): a fixed part per step,
+a part per request (the target's token and the drafter's context for it), a part per speculative token that does not depend on
 b, a part per drafted token (the drafter's block query: b K tokens) and a part
 per verified token (the target's forward over the n drafts the step verified).
 Without draft trimming n = b K and the last two cannot be told apart: the fit
