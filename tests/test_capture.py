@@ -139,7 +139,7 @@ def test_a_reload_with_the_cache_reset_gives_a_clean_boundary(tmp_path):
     worker.step(new=[new_request("r")], prefill_to=4)
     worker.step(r=1)  # anchor 5: v1
     worker.read_output()  # the pause waits for the in-flight step
-    cap.set_version("v2", is_cache_reset=True)
+    assert cap.set_version("v2", is_cache_reset=True) == 1  # the request in flight, recomputed by v2
     worker.step(preempted=["r"], prefill_to=worker.computed)  # recomputed by v2, samples x_8
     worker.step(r=2)  # anchor 8: v2
     worker.step(r=0)  # anchor 11: v2

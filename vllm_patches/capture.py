@@ -351,15 +351,17 @@ class Capture:
                     t.num_plain_steps += 1
                 t.outputs.extend(tokens)
 
-    def set_version(self, version: str, is_cache_reset: bool = False) -> None:
+    def set_version(self, version: str, is_cache_reset: bool = False) -> int:
         """A new drafter serves from the next step on. The context K/V of the requests in flight
         came from the old weights; ``is_cache_reset``: the caller reset the prefix cache (and
-        preempted every running request) before loading, so no old K/V can be reused."""
+        preempted every running request) before loading, so no old K/V can be reused. Returns how
+        many tracked requests were in flight (each records a preemption when it drafts again)."""
         with self._lock:
             self.version = version
             self._is_cache_pure = is_cache_reset
             for t in self._tracked.values():
                 t.is_context_pure = False
+            return len(self._tracked)
 
     # -- figures ---------------------------------------------------------------------------------
     def stats(self) -> dict:

@@ -403,9 +403,10 @@ class OnlineOPDService(RegistryFollower):
         engine_seconds = max(float(r.get("seconds", 0.0)) for r in results)
         if not bad:
             self.metrics["reload_seconds"].observe(engine_seconds)
+        in_flight = [r["in_flight"] for r in results if r.get("in_flight") is not None]
         out = {"ok": not bad, "result": result, "version": results[0].get("version"),
                "engine_seconds": engine_seconds, "rpc_seconds": wall, "check_seconds": checked - start,
-               "path": str(path)}
+               "path": str(path), "requests_in_flight": max(in_flight) if in_flight else None}
         if bad:
             out["error"] = bad[0].get("error")
         try:

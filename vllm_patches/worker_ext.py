@@ -251,16 +251,18 @@ class OnlineOPDWorkerExtension:
         state["reloads"]["ok"] += 1
         from vllm_patches import capture_hooks
 
+        in_flight = None  # captured requests not finished: after a cache reset, recomputed by the new weights
         if (cap := capture_hooks.current()) is not None:
-            cap.set_version(version, is_cache_reset)
+            in_flight = cap.set_version(version, is_cache_reset)
         from vllm_patches import draft_trim
 
         if (trim := draft_trim.current()) is not None:
             trim.reset()  # the new weights' confidences are calibrated afresh
-        logger.info("drafter %s -> %s loaded in %.1f ms (checks %.1f ms)", previous, version,
-                    1e3 * (loaded - checked), 1e3 * (checked - start))
+        logger.info("drafter %s -> %s loaded in %.1f ms (checks %.1f ms)%s", previous, version,
+                    1e3 * (loaded - checked), 1e3 * (checked - start),
+                    "" if in_flight is None else f"; {in_flight} captured request(s) in flight")
         return {"ok": True, "result": "ok", "version": version, "previous": previous,
-                "seconds": loaded - start, "load_seconds": loaded - checked}
+                "seconds": loaded - start, "load_seconds": loaded - checked, "in_flight": in_flight}
 
     def _restore(self, model: torch.nn.Module, state: dict) -> bool:
         path = state["path"]
