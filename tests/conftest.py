@@ -31,3 +31,40 @@ def rollouts(trained_run) -> list[tuple[list[int], list[int]]]:
     from tests.serving import memorised_rollouts
 
     return memorised_rollouts(trained_run)
+
+
+# ---------------------------------------------------------------- what a module leaves running
+
+_LEFT_BEHIND: list[str] = []
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _nothing_left_running(request):
+    """Threads of this process and child processes that a test module leaves running take the two cores
+    (and this process's GIL) from the modules after it: a test's client then lags its server by seconds.
+    Listed at the end of the run (``pytest_terminal_summary``) with the module that left them."""
+    import threading
+
+    import psutil
+
+    me = psutil.Process()
+    threads = set(threading.enumerate())
+    children = {p.pid for p in me.children(recursive=True)}
+    yield
+    left = [f"thread {t.name}" for t in threading.enumerate() if t not in threads and t.is_alive()]
+    for p in me.children(recursive=True):
+        if p.pid in children:
+            continue
+        try:
+            left.append(f"process {p.pid} {' '.join(p.cmdline()[:4])[:120]} ({p.status()})")
+        except psutil.Error:  # ended meanwhile
+            pass
+    if left:
+        _LEFT_BEHIND.append(f"{request.module.__name__}: " + "; ".join(left))
+
+
+def pytest_terminal_summary(terminalreporter):
+    if _LEFT_BEHIND:
+        terminalreporter.section("left running after a test module")
+        for line in _LEFT_BEHIND:
+            terminalreporter.write_line(line)
