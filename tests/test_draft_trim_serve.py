@@ -63,7 +63,11 @@ def test_trimmed_blocks_are_lossless_and_the_drafters_own(server, rollouts, trai
     before = server.metrics()
     with ThreadPoolExecutor(4) as pool:
         outputs = list(pool.map(lambda p: complete(server, p), prompts))
-    for prompt, out in zip(prompts, outputs):
+    # the memorised prompts' greedy outputs are their rollouts (plain vLLM, EOS may end them early); the
+    # altered ones', the torch target's (a full forward per token: the slow part of this test)
+    for (_, expected), out in zip(rollouts, outputs):
+        assert out[: len(expected)] == expected, "output differs from the target's"
+    for prompt, out in zip(prompts[len(rollouts):], outputs[len(rollouts):]):
         assert out == target_generate(target, prompt, MAX_TOKENS)[len(prompt):], "output differs from the target's"
     time.sleep(2.0)  # > capture flush interval and a status poll
     after = server.metrics()
