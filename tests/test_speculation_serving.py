@@ -284,6 +284,38 @@ def test_starting_schedule_speculates_at_batch_size_one_from_the_recorded_eval(t
     assert starting_schedule(cfg, tmp_path, 4) == [[1, 2, 0]]
 
 
+def test_policy_loop_waits_for_the_serving_version_before_its_first_update(tmp_path):
+    """The service knows the serving drafter's checkpoint only after its first worker status: an
+    update before it read no manifest ("none yet": a_k = 0) and turned the starting schedule's K = 1
+    at b = 1 off for an interval (seen in the c=1 and c=8 benchmark logs). The loop waits for ``ready``."""
+    (tmp_path / "manifest.json").write_text(json.dumps(_eval_manifest([0.381, 0.092, 0.015, 0.001])))
+    core = fake_engine_core([0, 1, 0, 0, 0])
+    set_speculation(core, [[1, 1, 1], [2, 4, 0]])
+    client = FakeEngineClient(core)
+    serving: dict = {}  # the service's latest status: empty until its first poll
+    ready = asyncio.Event()
+    loop = SpeculationPolicyLoop(client, PolicySettings(interval_s=0.05),
+                                 lambda: (serving.get("version"), serving.get("path")), ready=ready)
+
+    async def scenario():
+        task = asyncio.create_task(loop.run_forever())
+        await asyncio.sleep(0.2)  # four intervals: no update while the serving version is unknown
+        assert client.calls == [] and loop.latest is None
+        serving.update(version="v0001", path=str(tmp_path))
+        ready.set()
+        for _ in range(100):
+            if loop.latest is not None:
+                break
+            await asyncio.sleep(0.01)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+
+    asyncio.run(scenario())
+    assert loop.latest["acceptance_source"] == "manifest eval: 500 blocks served on sharegpt"
+    assert loop.latest["lookup"][1] == 1 and loop.num_changes == 0  # K = 1 at b = 1 kept: no change
+
+
 def test_window_rates_compare_measured_and_predicted_over_the_same_steps():
     from online_opd.speculation.costs import CostModel, StepCosts
 

@@ -217,6 +217,7 @@ class OnlineOPDService(RegistryFollower):
         self.metrics = server_metrics(self._prom)
         self.rank, self.num_api_servers = api_server_rank(engine_client)
         self.speculation: SpeculationPolicyLoop | None = None
+        self._first_poll = asyncio.Event()  # set after the first status poll, answered or not
         self.mirror: MultiprocessMirror | None = None
         self._tasks: list[asyncio.Task] = []
         if self.rank != 0:
@@ -232,7 +233,8 @@ class OnlineOPDService(RegistryFollower):
         collectors = [PolledCollector(lambda: self.latest), TrainerCollector(lambda: self.trainer), _Served()]
         if settings.policy is not None:
             self.speculation = SpeculationPolicyLoop(
-                engine_client, settings.policy, lambda: (self.version, (self.latest or {}).get("path")))
+                engine_client, settings.policy, lambda: (self.version, (self.latest or {}).get("path")),
+                ready=self._first_poll)
             collectors.append(SpeculationCollector(lambda: self.speculation.latest))
         self._start(collectors)
 
@@ -339,6 +341,7 @@ class OnlineOPDService(RegistryFollower):
             except Exception as exc:
                 self.metrics["poll_errors"].inc()
                 logger.warning("online-opd status poll failed: %s", exc)
+            self._first_poll.set()
             await self._read_trainer()
             if self.mirror is not None:
                 self.mirror.update()

@@ -1,6 +1,8 @@
 """The speculation policy loop in vLLM's API server (started by endpoint.OnlineOPDService).
 
-Every ``interval_s`` seconds, and right after each drafter reload (``wake``), it:
+From the service's first worker status on (before it the serving drafter's checkpoint,
+and with it the manifest's acceptance, is unknown), every ``interval_s`` seconds and
+right after each drafter reload (``wake``), it:
 
 1. reads the engine core's speculation status (vllm_patches/speculation.py: step
    costs by (b, K), acceptance counts, the schedule serving, exploration);
@@ -106,10 +108,13 @@ class SpeculationPolicyLoop:
     """Owns the policy task; ``latest`` holds the figures /metrics exposes."""
 
     def __init__(self, engine_client: Any, settings: PolicySettings,
-                 serving: Callable[[], tuple[str | None, str | None]]):
+                 serving: Callable[[], tuple[str | None, str | None]], ready: asyncio.Event | None = None):
         self.engine = engine_client
         self.settings = settings
         self.serving = serving  # () -> (drafter version, checkpoint path) serving now
+        # set once ``serving`` can answer (the service's first worker status): the first update waits
+        # for it, else it could read no manifest and turn off the starting schedule's speculation
+        self.ready = ready
         self.latest: dict | None = None
         self.num_changes = 0
         self._wake = asyncio.Event()
@@ -130,6 +135,8 @@ class SpeculationPolicyLoop:
         (shutdown, or a dead engine core: the server is going down, so there is nothing left to steer)."""
         from vllm.v1.engine.exceptions import EngineDeadError
 
+        if self.ready is not None:
+            await self.ready.wait()
         while True:
             try:
                 await self.update()
