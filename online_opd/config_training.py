@@ -177,6 +177,14 @@ class BootstrapConfig(TrainerConfig):
     text_max_tokens: int = Field(
         256, ge=1, description="Reply tokens kept per text conversation (the chat-templated human turn "
                                "comes on top; longer than model.max_model_len in all are skipped).")
+    time_budget_s: float | None = Field(
+        None, gt=0, description="Wall seconds for the whole bootstrap, sized to the machine it runs on "
+                                "(online_opd/train/budget.py): rollouts in full, the text feature pass up to "
+                                "text_feature_share of it, then as many SFT steps as a measured step time "
+                                "fits (at most num_steps), stopped at its end in any case; null = no budget.")
+    text_feature_share: float = Field(
+        0.4, gt=0, le=1, description="With time_budget_s: the text feature pass stops, between "
+                                     "conversations, once this share of the budget has passed.")
 
     @model_validator(mode="after")
     def _has_training_data(self) -> BootstrapConfig:

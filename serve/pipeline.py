@@ -5,7 +5,8 @@ Each job is resumable through files in its run directory: rollouts
 sequences with their features and greedy labels (`text_sequences.safetensors`),
 the trainer state, and the output drafter (`drafter/`, vLLM's format); a
 data-parallel bootstrap also keeps the drafter its workers start from
-(`init_drafter/`).
+(`init_drafter/`), and one with a time budget its step plan (`budget.json`,
+online_opd/train/budget.py).
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import gc
 import json
 import logging
 import time
+from dataclasses import asdict
 from pathlib import Path
 
 import torch
@@ -26,7 +28,8 @@ from online_opd.models.drafters.vocab import count_target_tokens, coverage, sele
 from online_opd.models.target import ensure_embedded_target
 from online_opd.models.target_model import TargetModel
 from online_opd.train import distributed as dp
-from online_opd.train.loop import train
+from online_opd.train.budget import PLAN_FILE, RESERVE_SHARE, Budget, StepPlan, planned_steps
+from online_opd.train.loop import time_steps, train
 from online_opd.train.sequences import (
     TrainSequence,
     check_feature_memory,
@@ -35,6 +38,7 @@ from online_opd.train.sequences import (
     save_sequences,
 )
 from online_opd.train.sft import sample_anchors, sft_loss
+from online_opd.train.state import STATE_FILE
 from serve import engine
 from serve.cpu_runtime import runtime_env_for
 from serve.signals import stop_on_signals
@@ -113,8 +117,10 @@ def feature_dtype(cfg: OnlineOPDConfig) -> torch.dtype:
     return DTYPES[name]
 
 
-def prepare_text_sequences(cfg: OnlineOPDConfig, target: Path, run_dir: Path, layer_ids, *, progress=True):
-    """Text sequences with target features and greedy labels, computed once per run directory."""
+def prepare_text_sequences(cfg: OnlineOPDConfig, target: Path, run_dir: Path, layer_ids, *, progress=True,
+                           deadline: float | None = None):
+    """Text sequences with target features and greedy labels, computed once per run directory; with a
+    ``deadline`` (``time.monotonic``) the conversations done by then (online_opd/train/budget.py)."""
     if cfg.bootstrap.text_conversations == 0:
         return []
     path = run_dir / TEXT_SEQUENCES_FILE
@@ -124,9 +130,15 @@ def prepare_text_sequences(cfg: OnlineOPDConfig, target: Path, run_dir: Path, la
     target_model = TargetModel.from_pretrained(target, dtype=feature_dtype(cfg))
     check_feature_memory(sequences, target_model.config.hidden_size * len(layer_ids),
                          f"text features (bootstrap.text_conversations={cfg.bootstrap.text_conversations})")
-    compute_aux_hidden(target_model, sequences, tuple(layer_ids), with_labels=True, progress=progress,
-                       desc="text features")
-    save_sequences(path, sequences, layer_ids)
+    done = compute_aux_hidden(target_model, sequences, tuple(layer_ids), with_labels=True, progress=progress,
+                              desc="text features", deadline=deadline)
+    if done < len(sequences):
+        logger.info("text features: %d of %d conversations done at bootstrap.text_feature_share=%.2f of the "
+                    "time budget (bootstrap.time_budget_s=%.0f)", done, len(sequences),
+                    cfg.bootstrap.text_feature_share, cfg.bootstrap.time_budget_s)
+        sequences = sequences[:done]
+    if sequences:
+        save_sequences(path, sequences, layer_ids)
     return sequences
 
 
@@ -156,6 +168,7 @@ def bootstrap(cfg: OnlineOPDConfig, run_dir: Path, *, progress: bool = True) -> 
     uniformly), in this process or, with ``bootstrap.num_workers > 1``, on that many data-parallel Ray
     Train workers (serve/trainer_dp.py) that start from the drafter saved to ``run_dir/init_drafter``
     and read the sequences from ``run_dir``; returns the drafter folder."""
+    budget = Budget(cfg.bootstrap.time_budget_s, time.monotonic()) if cfg.bootstrap.time_budget_s else None
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "config.json").write_text(json.dumps(cfg.model_dump(mode="json"), indent=2))
     target = resolve_target(cfg, progress=progress)
@@ -165,7 +178,9 @@ def bootstrap(cfg: OnlineOPDConfig, run_dir: Path, *, progress: bool = True) -> 
     del target_model
     sequences = prepare_sequences(cfg, target, run_dir, drafter.target_layer_ids, progress=progress)
     num_rollouts = len(sequences)
-    sequences += prepare_text_sequences(cfg, target, run_dir, drafter.target_layer_ids, progress=progress)
+    sequences += prepare_text_sequences(
+        cfg, target, run_dir, drafter.target_layer_ids, progress=progress,
+        deadline=budget.deadline(cfg.bootstrap.text_feature_share) if budget is not None else None)
     if not sequences:
         raise RuntimeError("bootstrap has no training sequences: every rollout or text conversation was "
                            "empty or longer than model.max_model_len; raise model.max_model_len or "
@@ -174,16 +189,51 @@ def bootstrap(cfg: OnlineOPDConfig, run_dir: Path, *, progress: bool = True) -> 
         if cfg.drafter.init_from is None else {}
     metrics = {"objective": "sft", "num_sequences": len(sequences),
                "num_text_sequences": len(sequences) - num_rollouts, **vocab}
+    if budget is not None:
+        plan = plan_sft(cfg, drafter, sequences, run_dir, budget)
+        cfg = cfg.model_copy(update={"bootstrap": cfg.bootstrap.model_copy(update={"num_steps": plan.num_steps})})
+        metrics["budget"] = asdict(plan)
     if cfg.bootstrap.num_workers > 1:
         from serve.trainer_dp import bootstrap_dp  # imports ray.train
 
         save_drafter(drafter, run_dir / INIT_DRAFTER)
         return Path(bootstrap_dp(cfg, run_dir, metrics)["drafter"])
-    return train_sft(cfg, drafter, sequences, run_dir, metrics, progress=progress)
+    return train_sft(cfg, drafter, sequences, run_dir, metrics, progress=progress,
+                     time_budget_s=max(budget.left_s(), 0.0) if budget is not None else None)
+
+
+def plan_sft(cfg: OnlineOPDConfig, drafter, sequences: list[TrainSequence], run_dir: Path,
+             budget: Budget) -> StepPlan:
+    """The SFT steps that fit in what is left of the budget, from a measured step time; a run resumed
+    from a trainer state keeps the plan it started with (its learning-rate schedule), when the budget
+    and the configured steps are the same."""
+    tcfg = cfg.bootstrap
+    stored = StepPlan.load(run_dir)
+    if stored is not None and (run_dir / STATE_FILE).exists() and stored.time_budget_s == tcfg.time_budget_s \
+            and stored.num_steps_configured == tcfg.num_steps:
+        logger.info("time budget: resuming with the stored plan of %d SFT steps (%s)", stored.num_steps,
+                    run_dir / PLAN_FILE)
+        return stored
+    used = budget.used_s()
+    step_s = time_steps(lambda model: _sft_step_fn(model, sequences, tcfg, torch.Generator().manual_seed(tcfg.seed)),
+                        drafter, tcfg)
+    reserve = RESERVE_SHARE * budget.total_s
+    plan = StepPlan(time_budget_s=budget.total_s, used_before_training_s=round(used, 1), step_s=round(step_s, 4),
+                    num_steps_configured=tcfg.num_steps,
+                    num_steps=planned_steps(tcfg.num_steps, step_s, budget.left_s(), reserve))
+    plan.save(run_dir)
+    if plan.num_steps < tcfg.num_steps:
+        logger.warning("time budget %.0f s: %.0f s used before training (rollouts, features), an SFT step takes "
+                       "%.3f s here: %d of bootstrap.num_steps=%d steps planned (%.0f s kept for saving)",
+                       budget.total_s, used, step_s, plan.num_steps, tcfg.num_steps, reserve)
+    else:
+        logger.info("time budget %.0f s: %.0f s used before training, SFT step %.3f s: all %d steps fit",
+                    budget.total_s, used, step_s, tcfg.num_steps)
+    return plan
 
 
 def train_sft(cfg: OnlineOPDConfig, drafter, sequences: list[TrainSequence], run_dir: Path, metrics: dict, *,
-              progress: bool = True) -> Path:
+              progress: bool = True, time_budget_s: float | None = None) -> Path:
     """The bootstrap's SFT loop in this process: the only one, or one rank of a torch.distributed group
     (online_opd/train/distributed.py), where rank 0 alone writes the state and the drafter."""
     tcfg = cfg.bootstrap
@@ -192,7 +242,7 @@ def train_sft(cfg: OnlineOPDConfig, drafter, sequences: list[TrainSequence], run
     gen = torch.Generator().manual_seed(tcfg.seed)
     with stop_on_signals() as stop:
         last = train(_sft_step_fn(drafter, sequences, tcfg, gen), drafter, tcfg, run_dir, progress=progress,
-                     desc="bootstrap (SFT)", generator=gen, stop=stop)
+                     desc="bootstrap (SFT)", generator=gen, stop=stop, time_budget_s=time_budget_s)
     if not dp.is_main_process():
         return run_dir / "drafter"
     return save_drafter(drafter, run_dir / "drafter", step=last,

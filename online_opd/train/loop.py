@@ -18,6 +18,7 @@ and writes (metrics, state) on rank 0 only. Every rank resumes from the same `ru
 from __future__ import annotations
 
 import contextlib
+import copy
 import json
 import logging
 import threading
@@ -96,6 +97,26 @@ def train(
         save()
     drafter.eval()
     return step
+
+
+def time_steps(make_step_fn: Callable[[torch.nn.Module], StepFn], drafter: torch.nn.Module, cfg: TrainerConfig,
+               num_steps: int = 6) -> float:
+    """Mean seconds of an optimiser step (``make_step_fn(model)``'s steps plus the update), measured over
+    steps 2..num_steps on a copy of ``drafter``: the drafter, and any generator the caller trains with,
+    are left as they were. The first step (allocations) is not counted."""
+    if num_steps < 2:
+        raise ValueError(f"num_steps={num_steps}: the first step is not timed, so at least 2 are needed")
+    model = copy.deepcopy(drafter).train()
+    optimizer = build_optimizer(model, lr=cfg.lr, weight_decay=cfg.weight_decay, betas=cfg.betas)
+    scheduler = cosine_with_warmup(optimizer, num_steps=cfg.num_steps, warmup_ratio=cfg.warmup_ratio,
+                                   min_lr_ratio=cfg.min_lr_ratio)
+    step_fn, seconds = make_step_fn(model), []
+    for step in range(num_steps):
+        start = time.perf_counter()
+        loss, _ = step_fn(step)
+        apply_update(loss, model, optimizer, scheduler, cfg.grad_clip)
+        seconds.append(time.perf_counter() - start)
+    return sum(seconds[1:]) / (num_steps - 1)
 
 
 def apply_update(loss: torch.Tensor, drafter: torch.nn.Module, optimizer, scheduler, grad_clip: float) -> torch.Tensor:

@@ -10,8 +10,10 @@ atomically (online_opd/files.py).
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 import torch
 from safetensors.torch import load_file, save_file
@@ -36,14 +38,20 @@ class TrainSequence:
 
 def compute_aux_hidden(
     target, sequences: list[TrainSequence], layer_ids: tuple[int, ...], *, with_labels: bool = False,
-    progress: bool = True, desc: str = "target features",
-) -> None:
+    progress: bool = True, desc: str = "target features", deadline: float | None = None,
+    clock: Callable[[], float] = time.monotonic,
+) -> int:
     """Fill `aux_hidden` of every sequence with one target forward each; `with_labels` also fills
     `labels` from that forward's logits at the response positions (argmax ids only: the
-    [T - prompt_len - 1, vocab] logits of one sequence are the largest transient)."""
+    [T - prompt_len - 1, vocab] logits of one sequence are the largest transient). With a `deadline`
+    (a `clock` reading) it stops before the first sequence it reaches at or after it. Returns the
+    number of sequences filled: the first ones, in order."""
     total = sum(s.num_tokens for s in sequences)
+    done = 0
     with tqdm(total=total, desc=desc, unit="tok", disable=not progress) as bar:
         for seq in sequences:
+            if deadline is not None and clock() >= deadline:
+                break
             # logits at rows prompt_len .. T-2 predict tokens prompt_len+1 .. T-1
             rows = torch.arange(seq.prompt_len, seq.num_tokens - 1) if with_labels else seq.tokens[:0]
             out = target.forward(seq.tokens, layer_ids=layer_ids, logits_at=rows)
@@ -52,6 +60,8 @@ def compute_aux_hidden(
                 seq.labels = seq.tokens.clone()
                 seq.labels[rows + 1] = out.logits.argmax(dim=-1)
             bar.update(seq.num_tokens)
+            done += 1
+    return done
 
 
 def save_sequences(path: Path, sequences: list[TrainSequence], layer_ids: tuple[int, ...]) -> None:
