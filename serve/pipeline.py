@@ -183,23 +183,30 @@ def bootstrap(cfg: OnlineOPDConfig, run_dir: Path, *, progress: bool = True) -> 
         deadline=budget.deadline(cfg.bootstrap.text_feature_share) if budget is not None else None)
     if not sequences:
         raise RuntimeError("bootstrap has no training sequences: every rollout or text conversation was "
-                           "empty or longer than model.max_model_len; raise model.max_model_len or "
-                           "data.num_prompts / bootstrap.text_conversations")
+                           "empty or longer than model.max_model_len" +
+                           (f", or the time budget's text share ended before the first conversation "
+                            f"(bootstrap.time_budget_s={budget.total_s:.0f}, {budget.used_s():.0f} s used)"
+                            if budget is not None else "") +
+                           "; raise model.max_model_len or data.num_prompts / bootstrap.text_conversations")
     vocab = choose_draft_vocab(cfg, drafter, load_tokenizer(target), sequences) \
         if cfg.drafter.init_from is None else {}
     metrics = {"objective": "sft", "num_sequences": len(sequences),
                "num_text_sequences": len(sequences) - num_rollouts, **vocab}
     if budget is not None:
         plan = plan_sft(cfg, drafter, sequences, run_dir, budget)
-        cfg = cfg.model_copy(update={"bootstrap": cfg.bootstrap.model_copy(update={"num_steps": plan.num_steps})})
+        # the planned steps, and no text when the budget left none (a data-parallel worker then
+        # looks for no text file)
+        cfg = cfg.model_copy(update={"bootstrap": cfg.bootstrap.model_copy(update={
+            "num_steps": plan.num_steps,
+            "text_conversations": cfg.bootstrap.text_conversations if metrics["num_text_sequences"] else 0})})
         metrics["budget"] = asdict(plan)
+    left_s = max(budget.left_s(), 0.0) if budget is not None else None
     if cfg.bootstrap.num_workers > 1:
         from serve.trainer_dp import bootstrap_dp  # imports ray.train
 
         save_drafter(drafter, run_dir / INIT_DRAFTER)
-        return Path(bootstrap_dp(cfg, run_dir, metrics)["drafter"])
-    return train_sft(cfg, drafter, sequences, run_dir, metrics, progress=progress,
-                     time_budget_s=max(budget.left_s(), 0.0) if budget is not None else None)
+        return Path(bootstrap_dp(cfg, run_dir, metrics, time_budget_s=left_s)["drafter"])
+    return train_sft(cfg, drafter, sequences, run_dir, metrics, progress=progress, time_budget_s=left_s)
 
 
 def plan_sft(cfg: OnlineOPDConfig, drafter, sequences: list[TrainSequence], run_dir: Path,
@@ -218,9 +225,13 @@ def plan_sft(cfg: OnlineOPDConfig, drafter, sequences: list[TrainSequence], run_
     step_s = time_steps(lambda model: _sft_step_fn(model, sequences, tcfg, torch.Generator().manual_seed(tcfg.seed)),
                         drafter, tcfg)
     reserve = RESERVE_SHARE * budget.total_s
+    num_steps = planned_steps(tcfg.num_steps, step_s, budget.left_s(), reserve)
+    if num_steps == 0:
+        raise RuntimeError(f"bootstrap.time_budget_s={budget.total_s:.0f}: {used:.0f} s went to rollouts and features, "
+                           f"no SFT step ({step_s:.3f} s here) fits in the rest; the rollouts and features are kept "
+                           f"in {run_dir}: run again with a larger budget (or fewer data.num_prompts)")
     plan = StepPlan(time_budget_s=budget.total_s, used_before_training_s=round(used, 1), step_s=round(step_s, 4),
-                    num_steps_configured=tcfg.num_steps,
-                    num_steps=planned_steps(tcfg.num_steps, step_s, budget.left_s(), reserve))
+                    num_steps_configured=tcfg.num_steps, num_steps=num_steps)
     plan.save(run_dir)
     if plan.num_steps < tcfg.num_steps:
         logger.warning("time budget %.0f s: %.0f s used before training (rollouts, features), an SFT step takes "

@@ -20,6 +20,7 @@ directory's state at the same paths: on several machines they live on shared sto
 from __future__ import annotations
 
 import logging
+import time
 import uuid
 from pathlib import Path
 from typing import Any, Callable
@@ -47,11 +48,16 @@ def train_on_records_dp(cfg: OnlineOPDConfig, records_dir: Path, init: Path, run
     return result
 
 
-def bootstrap_dp(cfg: OnlineOPDConfig, run_dir: Path, metrics: dict[str, Any]) -> dict[str, Any]:
+def bootstrap_dp(cfg: OnlineOPDConfig, run_dir: Path, metrics: dict[str, Any],
+                 time_budget_s: float | None = None) -> dict[str, Any]:
     """The bootstrap's SFT on ``bootstrap.num_workers`` Ray Train workers, from the drafter and the
     sequences serve/pipeline.bootstrap saved in ``run_dir``; returns rank 0's figures, as
-    ``train_on_records_dp`` does (``metrics`` go into the drafter's manifest)."""
-    return fit(cfg, cfg.bootstrap, _bootstrap_worker, {"run_dir": str(Path(run_dir).resolve()), "metrics": metrics})
+    ``train_on_records_dp`` does (``metrics`` go into the drafter's manifest). With ``time_budget_s``
+    the ranks stop together at that many seconds from now (a wall-clock deadline: they are other
+    processes, possibly on other nodes)."""
+    deadline = None if time_budget_s is None else time.time() + time_budget_s
+    return fit(cfg, cfg.bootstrap, _bootstrap_worker,
+               {"run_dir": str(Path(run_dir).resolve()), "metrics": metrics, "deadline_unix": deadline})
 
 
 def scaling_config(tcfg: TrainerConfig) -> ScalingConfig:
@@ -123,7 +129,9 @@ def _bootstrap_worker(config: dict) -> dict:
     layer_ids = drafter.target_layer_ids
     sequences = prepare_sequences(cfg, target, run_dir, layer_ids, progress=False) + \
         prepare_text_sequences(cfg, target, run_dir, layer_ids, progress=False)
-    return _rank_result(train_sft(cfg, drafter, sequences, run_dir, config["metrics"], progress=False))
+    deadline = config.get("deadline_unix")
+    return _rank_result(train_sft(cfg, drafter, sequences, run_dir, config["metrics"], progress=False,
+                                  time_budget_s=None if deadline is None else max(deadline - time.time(), 0.0)))
 
 
 def _rank_result(drafter: Path) -> dict:

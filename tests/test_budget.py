@@ -17,8 +17,9 @@ from tests.serving import ROOT
 def test_planned_steps_by_hand():
     assert planned_steps(3600, 0.5, 1000.0, 90.0) == 1820  # (1000 - 90) / 0.5
     assert planned_steps(1000, 0.5, 1000.0, 90.0) == 1000  # all fit: the configured steps
-    assert planned_steps(3600, 0.3, 90.5, 90.0) == 1  # 0.5 s left after the reserve: at least one step
-    assert planned_steps(3600, 0.3, -5.0, 90.0) == 1  # the budget already spent
+    assert planned_steps(3600, 0.3, 90.5, 90.0) == 1  # 0.5 s left after the reserve: one step
+    assert planned_steps(3600, 0.6, 90.5, 90.0) == 0  # not one
+    assert planned_steps(3600, 0.3, -5.0, 90.0) == 0  # the budget already spent
     for bad in (0.0, -1.0, float("nan"), float("inf")):
         with pytest.raises(ValueError, match="step time"):
             planned_steps(10, bad, 100.0, 1.0)
@@ -110,3 +111,11 @@ def test_a_tight_budget_plans_fewer_steps_and_ends_in_time(tmp_path):
     if steps[-1] < plan.num_steps:  # stopped by the budget: a resumed run goes on under the same plan
         bootstrap(cfg, tmp_path, progress=False)
         assert StepPlan.load(tmp_path) == plan
+
+
+def test_a_budget_spent_before_any_text_says_so(tmp_path):
+    from serve.pipeline import bootstrap
+
+    with pytest.raises(RuntimeError, match=r"time budget's text share ended before the first conversation"):
+        bootstrap(_text_only("bootstrap.time_budget_s=0.01"), tmp_path, progress=False)
+    assert not (tmp_path / "text_sequences.safetensors").exists()

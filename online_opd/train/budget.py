@@ -73,9 +73,8 @@ class StepPlan:
 
 
 def planned_steps(configured: int, step_s: float, seconds_left: float, reserve_s: float) -> int:
-    """The SFT steps that fit in ``seconds_left - reserve_s`` at ``step_s`` each, at most ``configured``
-    and at least 1 (a budget spent before training still yields a saved drafter)."""
+    """The SFT steps that fit in ``seconds_left - reserve_s`` at ``step_s`` each, at most ``configured``;
+    0 when not one fits."""
     if step_s <= 0 or not math.isfinite(step_s):
         raise ValueError(f"step time must be a positive number of seconds, got {step_s}")
-    fit = math.floor(max(seconds_left - reserve_s, 0.0) / step_s)
-    return max(1, min(configured, fit))
+    return min(configured, math.floor(max(seconds_left - reserve_s, 0.0) / step_s))
