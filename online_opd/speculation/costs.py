@@ -51,8 +51,9 @@ the non-negative least-squares fit: the first buckets of a fresh c = 8 server,
 t(1, 0) 115 ms at warm-up against t(7, 0) 73 ms, gave c1 < 0, predicted
 t(31, 0) = 0 and scheduled K = 1 at b = 31-32 alone): a fixed part per step,
 a part per request (the target's token and the drafter's context for it), a
-part per speculative token that does not depend on b, a part per drafted token (the drafter's block query: b K tokens) and a part
-per verified token (the target's forward over the n drafts the step verified).
+part per speculative token that does not depend on b, a part per drafted token
+(the drafter's block query: b K tokens) and a part per verified token (the
+target's forward over the n drafts the step verified).
 Without draft trimming n = b K and the last two cannot be told apart: the fit
 then drops c4 and predicts whole blocks (a trimmed step costs as much as a whole
 one: trimming is never credited with savings nobody measured). With trimmed steps
