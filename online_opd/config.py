@@ -94,15 +94,8 @@ class DrafterConfig(StrictModel):
     seed: int = Field(0, description="Seed of the random initialisation.")
     draft_vocab_size: int | None = Field(
         None, ge=2,
-        description="DFlash only: draft over the N target tokens most frequent in the training data "
-                    "(vLLM draft_vocab_size with a d2t map); null = the target's whole vocabulary.")
-
-    @model_validator(mode="after")
-    def _draft_vocab_needs_dflash(self) -> "DrafterConfig":
-        if self.draft_vocab_size is not None and self.method != "dflash":
-            raise ValueError(f"draft_vocab_size is supported for method 'dflash' only, not {self.method!r}; "
-                             "set drafter.draft_vocab_size: null")
-        return self
+        description="Draft over the N target tokens most frequent in the training data (vLLM "
+                    "draft_vocab_size with a d2t map); null = the target's whole vocabulary.")
 
     @field_validator("target_layer_ids")
     @classmethod

@@ -183,9 +183,54 @@ def test_bootstrap_vocabulary_comes_from_the_targets_tokens_with_the_end_of_turn
     assert choose_draft_vocab(load_config(None, []), _drafter(None), None, [rollout]) == {}  # full vocabulary
 
 
-def test_a_reduced_vocabulary_is_refused_for_eagle3():
-    from online_opd.config import ConfigError, load_config
+def _eagle3(draft_vocab_size: int | None):
+    from online_opd.models.drafters.eagle3 import Eagle3Config, Eagle3Drafter
 
-    assert load_config(None, ["drafter.draft_vocab_size=8192"]).drafter.draft_vocab_size == 8192
-    with pytest.raises(ConfigError, match="draft_vocab_size is supported for method 'dflash' only"):
-        load_config(None, ["drafter.method=eagle3", "drafter.draft_vocab_size=8192"])
+    cfg = Eagle3Config(hidden_size=H, num_layers=1, num_heads=2, num_kv_heads=1, head_dim=8, intermediate_size=32,
+                       vocab_size=V, target_layer_ids=(0, 1), block_size=3, draft_vocab_size=draft_vocab_size)
+    drafter = Eagle3Drafter(cfg)
+    init_weights(drafter, std=1.0, seed=4)  # large enough that the chain's steps differ
+    gen = torch.Generator().manual_seed(2)
+    drafter.attach_target(torch.randn(V, H, generator=gen), torch.randn(V, H, generator=gen))
+    return drafter
+
+
+def test_eagle3_drafts_over_a_reduced_vocabulary_as_vllm_chains_it(tmp_path):
+    """EAGLE-3 with draft_vocab_size: the logits are the full-vocabulary head's on the draft ids and
+    -inf elsewhere (vLLM's compute_logits), draft space is those columns, each greedy step feeds the
+    next the target id of its argmax, and the checkpoint carries the head rows and d2t vLLM loads."""
+    from online_opd.config import load_config
+
+    full, reduced = _eagle3(None), _eagle3(5)
+    reduced.load_state_dict({**full.state_dict(), **{k: v for k, v in reduced.state_dict().items()
+                                                     if k in ("lm_head.weight", "d2t")}})
+    ids = torch.tensor([0, 2, 3, 7, 10])
+    reduced.set_draft_vocab(ids)
+    aux, anchors, anchor_tokens = _inputs()
+    tokens = torch.tensor([1, 5, 2, 5, 7, 1])
+    logged = torch.tensor([[3, 7, 0], [10, 2, 2]])  # logged drafts: both chains see the same inputs
+    a = full(aux, anchors, anchor_tokens, tokens, draft_tokens=logged)
+    b = reduced(aux, anchors, anchor_tokens, tokens, draft_tokens=logged)
+    assert torch.allclose(b[..., ids], a[..., ids], atol=1e-6)
+    outside = torch.ones(V, dtype=torch.bool)
+    outside[ids] = False
+    assert torch.isneginf(b[..., outside]).all()
+    small = reduced(aux, anchors, anchor_tokens, tokens, draft_tokens=logged, draft_space=True)
+    assert small.shape == (2, 3, 5) and torch.equal(small, b[..., ids])
+    drafts = reduced.propose(aux, anchors, anchor_tokens, tokens)
+    assert set(drafts.flatten().tolist()) <= set(ids.tolist())
+    # greedy: the chain fed its own drafts gives the same drafts back (step k+1 saw target id d_k)
+    again = reduced(aux, anchors, anchor_tokens, tokens, draft_tokens=drafts)
+    assert torch.equal(again.argmax(-1), drafts)
+    assert len(set(drafts.flatten().tolist())) > 1  # the steps differ, so the chain is really compared
+    assert reduced(aux, anchors[:0], anchor_tokens[:0], tokens, draft_space=True).shape == (0, 3, 5)
+
+    path = save_drafter(reduced, tmp_path / "e")
+    config = json.loads((path / "config.json").read_text())
+    assert (config["draft_vocab_size"], config["vocab_size"]) == (5, V)
+    loaded = load_drafter(path)
+    assert loaded.d2t.tolist() == reduced.d2t.tolist() and loaded.cfg.draft_vocab_size == 5
+    assert torch.equal(loaded.lm_head.weight, full.lm_head_weight[ids])
+    assert load_drafter(save_drafter(full, tmp_path / "f")).cfg.draft_vocab_size is None  # 12 of 12: none
+    cfg = load_config(None, ["drafter.method=eagle3", "drafter.draft_vocab_size=8192"]).drafter
+    assert (cfg.method, cfg.draft_vocab_size) == ("eagle3", 8192)

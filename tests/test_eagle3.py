@@ -123,7 +123,7 @@ def test_registry_and_from_target():
         rope_parameters={"rope_type": "default", "rope_theta": 5000.0},
         max_position_embeddings=512)
     dcfg = SimpleNamespace(method="eagle3", num_layers=1, block_size=3, target_layer_ids=None,
-                           intermediate_size=None, seed=7)
+                           intermediate_size=None, seed=7, draft_vocab_size=None)
     a, b = Eagle3Drafter.from_target(dcfg, target_cfg), Eagle3Drafter.from_target(dcfg, target_cfg)
     assert a.target_layer_ids == (1, 3, 4)
     assert a.cfg.rope_theta == 5000.0 and a.cfg.intermediate_size == 64
@@ -257,22 +257,28 @@ def test_replay_conditions_q_on_the_logged_drafts():
 
 
 @pytest.mark.slow
-def test_vllm_serves_eagle3_checkpoint(tmp_path):
+@pytest.mark.parametrize("variant", ["eagle3", "eagle3-reduced"])
+def test_vllm_serves_eagle3_checkpoint(tmp_path, variant):
     """vLLM's CPU engine loads a `save_drafter` EAGLE-3 checkpoint (briefly
     overfit on the prompt's greedy continuation, so some drafts are accepted)
     and drafts with it; every block it proposes equals `Eagle3Drafter.propose`
     on the same sequence, and its accepted count equals the one predicted
-    from our drafts."""
+    from our drafts. "eagle3-reduced" drafts over a 256-token vocabulary: vLLM
+    loads the saved head rows and d2t map as the drafter's own head, and each
+    chained step takes the target id of the draft vocabulary's argmax."""
     from online_opd.models.target import ensure_embedded_target
 
     target = ensure_embedded_target()
     script = Path(__file__).parent / "helpers" / "vllm_parity_check.py"
     env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1")
-    proc = subprocess.run([sys.executable, str(script), "eagle3", str(target), str(tmp_path)],
+    proc = subprocess.run([sys.executable, str(script), variant, str(target), str(tmp_path)],
                           env=env, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-8000:]
     result = json.loads((tmp_path / "result.json").read_text())
     assert result["info"]["model"] == "Eagle3LlamaForCausalLM"
+    vocab = 256 if variant == "eagle3-reduced" else None
+    assert result["draft_vocab_size"] == vocab
+    assert result["served_head_rows"] == (vocab or 49152)  # vLLM's own reduced head, or the target's
     assert result["info"]["aux_layers"] == result["config_aux_ids"]  # vLLM took our explicit ids
     assert result["num_output_tokens"] > 0
     assert result["output_is_target_greedy"]  # spec decoding stays lossless at T=0

@@ -2,9 +2,10 @@
 and check, block by block, that vLLM drafts what our torch drafter drafts.
 
 Usage: python vllm_parity_check.py METHOD TARGET_DIR OUT_DIR  (writes OUT_DIR/result.json)
-METHOD: dflash, eagle3, or dflash-reduced (DFlash drafting over a 256-token draft vocabulary,
-vLLM's draft_vocab_size with the d2t map; the vocabulary holds the continuation's tokens; drafts
-argmaxed over the draft vocabulary, as online-opd serve installs it: vllm_patches/draft_sample.py).
+METHOD: dflash, eagle3, dflash-reduced or eagle3-reduced (drafting over a 256-token draft
+vocabulary, vLLM's draft_vocab_size with the d2t map; the vocabulary holds the continuation's
+tokens; DFlash drafts argmaxed over the draft vocabulary, as online-opd serve installs it:
+vllm_patches/draft_sample.py; EAGLE-3 through vLLM's own compute_logits, -inf outside it).
 
 A drafter is first overfit for a few Adam steps on the target's greedy
 continuation of the prompt, so that vLLM accepts some of its drafts (and
@@ -104,8 +105,8 @@ def build_drafter(method: str, target: str, target_model):
     from online_opd.models.drafters.eagle3 import Eagle3Drafter
     from online_opd.models.drafters.factory import new_drafter
 
-    reduced = method == "dflash-reduced"
-    cfg = DrafterConfig(method="dflash" if reduced else method, block_size=K, seed=0,
+    reduced = method.endswith("-reduced")
+    cfg = DrafterConfig(method=method.removesuffix("-reduced"), block_size=K, seed=0,
                         draft_vocab_size=REDUCED_VOCAB if reduced else None)
     if cfg.method == "dflash":
         return new_drafter(cfg, target_model.config, AutoTokenizer.from_pretrained(target), target_model)
@@ -129,7 +130,7 @@ def main(method: str, target: str, out_dir: str) -> None:
     target_model = TargetModel.from_pretrained(target)
     drafter = build_drafter(method, target, target_model)
     drafter.attach_target(target_model.embed_weight, target_model.lm_head_weight)
-    if method == "dflash-reduced":  # the continuation's tokens, then the lowest ids
+    if method.endswith("-reduced"):  # the continuation's tokens, then the lowest ids
         from online_opd.models.drafters.vocab import select_draft_vocab
 
         with torch.no_grad():
@@ -191,7 +192,7 @@ def main(method: str, target: str, out_dir: str) -> None:
 
     result = {
         "k": K,
-        "draft_vocab_size": served.cfg.draft_vocab_size if method != "eagle3" else None,
+        "draft_vocab_size": served.cfg.draft_vocab_size,
         "served_head_rows": info.get("lm_head_rows"),
         "info": info,
             "config_aux_ids": _config_aux_ids(ckpt),

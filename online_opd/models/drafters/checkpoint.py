@@ -112,7 +112,7 @@ def load_state_checked(drafter: nn.Module, tensors: dict[str, torch.Tensor], sou
 
 def check_d2t(d2t: torch.Tensor, vocab_size: int, source: str) -> None:
     """A reduced drafter's d2t must map its draft ids to ascending, distinct target ids."""
-    from online_opd.models.drafters.dflash import check_draft_vocab
+    from online_opd.models.drafters.layers import check_draft_vocab
 
     try:
         check_draft_vocab(torch.arange(len(d2t)) + d2t, len(d2t), vocab_size)

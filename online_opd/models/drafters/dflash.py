@@ -26,7 +26,6 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from online_opd.models.drafters.layers import (
@@ -190,34 +189,7 @@ class DFlashDrafter(SharedHeadDrafter):
         self.hidden_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.layers = nn.ModuleList(DFlashLayer(cfg) for _ in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        if cfg.draft_vocab_size is not None:  # saved, as vLLM loads them: lm_head.weight and d2t
-            if not 2 <= cfg.draft_vocab_size <= cfg.vocab_size:
-                raise ValueError(f"draft_vocab_size={cfg.draft_vocab_size} outside 2..vocab_size={cfg.vocab_size}")
-            self.lm_head = FrozenHead(cfg.draft_vocab_size, cfg.hidden_size)
-            self.register_buffer("d2t", torch.zeros(cfg.draft_vocab_size, dtype=torch.int64))
-
-    def draft_token_ids(self) -> torch.Tensor | None:
-        """Target ids of the draft vocabulary, ascending ([draft_vocab_size]); None = whole vocabulary."""
-        if self.cfg.draft_vocab_size is None:
-            return None
-        return torch.arange(self.cfg.draft_vocab_size, device=self.d2t.device) + self.d2t
-
-    @torch.no_grad()
-    def set_draft_vocab(self, token_ids: torch.Tensor) -> None:
-        """Draft over `token_ids` (target ids, ascending, unique): d2t holds id - index (vLLM's format)."""
-        token_ids = torch.as_tensor(token_ids, dtype=torch.int64)
-        check_draft_vocab(token_ids, self.cfg.draft_vocab_size, self.cfg.vocab_size)
-        self.d2t.copy_(token_ids - torch.arange(len(token_ids)))
-        if self.lm_head_weight is not None:
-            self.lm_head.weight.copy_(self.lm_head_weight[token_ids].to(self.lm_head.weight.dtype))
-
-    def attach_target(self, embed_weight: torch.Tensor, lm_head_weight: torch.Tensor) -> None:
-        """Share the target's embeddings and LM head; a reduced head is the target's rows of the draft ids."""
-        super().attach_target(embed_weight, lm_head_weight)
-        if self.cfg.draft_vocab_size is not None:
-            check_draft_vocab(self.draft_token_ids(), self.cfg.draft_vocab_size, self.cfg.vocab_size)
-            with torch.no_grad():
-                self.lm_head.weight.copy_(lm_head_weight[self.draft_token_ids()].to(self.lm_head.weight.dtype))
+        self._init_draft_vocab()  # saved, as vLLM loads them: lm_head.weight and d2t
 
     def forward(
         self,
@@ -260,15 +232,7 @@ class DFlashDrafter(SharedHeadDrafter):
             ctx_k, ctx_v = layer.self_attn.context_kv(ctx, ctx_cos, ctx_sin)
             h = layer(h, cos, sin, ctx_k, ctx_v, mask)
         h = self.norm(h).view(num_blocks, width, -1)[:, 1:].reshape(num_blocks * num_draft, -1)
-        # 2-d GEMM: a batched matmul against a broadcast [V, H] weight is ~10x slower on CPU
-        if self.cfg.draft_vocab_size is None:
-            return F.linear(h, self.lm_head_weight.to(dtype)).view(num_blocks, num_draft, -1)
-        # as vLLM's compute_logits: draft-vocabulary logits placed at their target ids, -inf elsewhere
-        small = F.linear(h, self.lm_head.weight.to(dtype))
-        if draft_space:
-            return small.view(num_blocks, num_draft, -1)
-        full = small.new_full((small.shape[0], cfg.vocab_size), float("-inf"))
-        return full.index_copy(1, self.draft_token_ids(), small).view(num_blocks, num_draft, -1)
+        return self.head_logits(h, draft_space).view(num_blocks, num_draft, -1)
 
     @torch.no_grad()
     def propose(
@@ -281,25 +245,6 @@ class DFlashDrafter(SharedHeadDrafter):
     ) -> torch.Tensor:
         """Greedy blocks [M, K'], as vLLM's DFlash proposer drafts them."""
         return self(aux_hidden, anchors, anchor_tokens, token_ids, num_draft_tokens=num_draft_tokens).argmax(-1)
-
-
-class FrozenHead(nn.Module):
-    """A reduced LM head: the target's rows of the draft vocabulary, a buffer (never trained) saved
-    as ``lm_head.weight`` so that vLLM loads it as the drafter's own head."""
-
-    def __init__(self, num_tokens: int, hidden_size: int) -> None:
-        super().__init__()
-        self.register_buffer("weight", torch.zeros(num_tokens, hidden_size))
-
-
-def check_draft_vocab(token_ids: torch.Tensor, size: int, vocab_size: int) -> None:
-    """ValueError unless `token_ids` are `size` ascending, unique target ids in 0..vocab_size-1."""
-    if token_ids.shape != (size,):
-        raise ValueError(f"draft vocabulary has {tuple(token_ids.shape)} ids, expected ({size},)")
-    if size and (int(token_ids.min()) < 0 or int(token_ids.max()) >= vocab_size):
-        raise ValueError(f"draft vocabulary ids must lie in 0..{vocab_size - 1}")
-    if size > 1 and not bool((token_ids[1:] > token_ids[:-1]).all()):
-        raise ValueError("draft vocabulary ids (arange + d2t) must be strictly ascending")
 
 
 def block_attention_mask(

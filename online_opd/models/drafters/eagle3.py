@@ -48,7 +48,12 @@ Embeddings and LM head are the target's, attached with `attach_target` and
 never saved: vLLM's Eagle3 loader marks `has_own_lm_head` /
 `has_own_embed_tokens` only when the checkpoint carries them, and the
 proposer (`_maybe_share_embeddings` / `_maybe_share_lm_head`) shares the
-target's otherwise. No `d2t`: `draft_vocab_size == vocab_size`.
+target's otherwise. With `draft_vocab_size` (`SharedHeadDrafter`) the head is
+the target's rows of the draft vocabulary, saved as `lm_head.weight` with its
+`d2t` map, which vLLM's loader reads as the drafter's own head
+(`draft_id_to_target_id`); `compute_logits` places its logits at their target
+ids, -inf elsewhere, so the chain feeds each step the target id of the
+draft-vocabulary argmax.
 """
 
 from __future__ import annotations
@@ -91,6 +96,7 @@ class Eagle3Config:
     rms_norm_eps: float = 1e-5
     rope_theta: float = 100000.0
     max_position_embeddings: int = 8192
+    draft_vocab_size: int | None = None  # None = the target's vocabulary; else a d2t-mapped subset
     extra: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -117,7 +123,7 @@ class Eagle3Config:
             "head_dim": self.head_dim,
             "intermediate_size": self.intermediate_size,
             "vocab_size": self.vocab_size,
-            "draft_vocab_size": self.vocab_size,
+            "draft_vocab_size": self.draft_vocab_size or self.vocab_size,
             "target_hidden_size": self.hidden_size,
             "hidden_act": "silu",
             "rms_norm_eps": self.rms_norm_eps,
@@ -179,6 +185,8 @@ class Eagle3Config:
             rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
             rope_theta=float(rope.get("rope_theta", cfg.get("rope_theta", 10000.0))),
             max_position_embeddings=cfg.get("max_position_embeddings", 8192),
+            draft_vocab_size=None if cfg.get("draft_vocab_size") in (None, cfg["vocab_size"])
+            else int(cfg["draft_vocab_size"]),
             extra={k: v for k, v in ours.items()
                    if k not in ("method", "block_size", "num_speculative_tokens", "target_layer_ids")},
         )
@@ -253,6 +261,7 @@ class Eagle3Drafter(SharedHeadDrafter):
         self.fc = nn.Linear(cfg.hidden_size * len(cfg.target_layer_ids), cfg.hidden_size, bias=False)
         self.layers = nn.ModuleList(Eagle3Layer(cfg, i) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self._init_draft_vocab()  # saved, as vLLM loads them: lm_head.weight and d2t
 
     @classmethod
     def from_target(cls, drafter_cfg, target_config) -> "Eagle3Drafter":
@@ -278,6 +287,7 @@ class Eagle3Drafter(SharedHeadDrafter):
             rms_norm_eps=target_config.rms_norm_eps,
             rope_theta=float(rope.get("rope_theta", getattr(target_config, "rope_theta", 10000.0))),
             max_position_embeddings=target_config.max_position_embeddings,
+            draft_vocab_size=drafter_cfg.draft_vocab_size,
         )
         drafter = cls(cfg)
         init_weights(drafter, seed=drafter_cfg.seed)
@@ -325,18 +335,22 @@ class Eagle3Drafter(SharedHeadDrafter):
         token_ids: torch.Tensor | None = None,  # [>= max(a)] sequence tokens, token_ids[t] = x_t
         draft_tokens: torch.Tensor | None = None,  # [M, K'] logged drafts d_1..d_K' (replay)
         num_draft_tokens: int | None = None,  # K' in 1..K chained steps; None = K
+        draft_space: bool = False,
     ) -> torch.Tensor:
         """Draft logits [M, K', vocab] for positions a+1 .. a+K' of every anchor. Step k+1 is fed
         the drafter's own pre-norm hidden and the token d_k: the logged draft when
         ``draft_tokens`` is given, so q_k = q(. | x_<=a, d_<k) sits on the prefix the target
         verified (Draft-OPD eq. 10-13), else the drafter's own greedy draft (vLLM's proposer).
-        The chain is causal: K' steps give the first K' rows of K steps."""
+        The chain is causal: K' steps give the first K' rows of K steps. With ``draft_space`` and a
+        reduced vocabulary [M, K', draft_vocab_size], column i for target id ``draft_token_ids()[i]``."""
         if self.embed_weight is None:
             raise RuntimeError("attach_target(embed, lm_head) before running the drafter")
         cfg, num_anchors, device = self.cfg, anchors.shape[0], anchors.device
         num_draft = check_num_draft_tokens(num_draft_tokens, cfg.block_size)
+        draft_ids = self.draft_token_ids()
         if num_anchors == 0:
-            return self.fc.weight.new_zeros(0, num_draft, self.lm_head_weight.shape[0])
+            width = cfg.vocab_size if draft_ids is None or not draft_space else len(draft_ids)
+            return self.fc.weight.new_zeros(0, num_draft, width)
         max_anchor = int(anchors.max())
         if int(anchors.min()) < 1 or max_anchor > aux_hidden.shape[0]:
             raise ValueError(f"anchors must lie in [1, {aux_hidden.shape[0]}]")
@@ -349,7 +363,7 @@ class Eagle3Drafter(SharedHeadDrafter):
                 "EAGLE-3 needs the context tokens: pass token_ids (the sequence, aligned "
                 f"with aux_hidden rows, at least max(anchors) = {max_anchor} long)")
         g = self.fc(aux_hidden[:max_anchor].to(self.fc.weight.dtype))  # [max(a), hidden]
-        dtype, embed, lm_head = g.dtype, self.embed_weight, self.lm_head_weight.to(g.dtype)
+        dtype, embed = g.dtype, self.embed_weight
         ctx_k, ctx_v = self._context_kv(g, token_ids, num_ctx)
 
         # Chain: slot j of anchor a at position a-1+j sees context t < a-1 and its slots 0..j.
@@ -372,10 +386,18 @@ class Eagle3Drafter(SharedHeadDrafter):
 
             normed, hidden = self._run_layers(embed[tokens].to(dtype), hidden, cos, sin,
                                               attend_chain)
-            step_logits = normed @ lm_head.T  # [M, vocab]
+            step_logits = self.head_logits(normed, draft_space=draft_ids is not None)  # [M, vocab or V']
             logits.append(step_logits)
-            tokens = step_logits.detach().argmax(-1) if draft_tokens is None else draft_tokens[:, step]
-        return torch.stack(logits, dim=1)
+            if draft_tokens is not None:
+                tokens = draft_tokens[:, step]
+            else:  # greedy; in a reduced vocabulary the argmax's target id (vLLM's -inf elsewhere)
+                best = step_logits.detach().argmax(-1)
+                tokens = best if draft_ids is None else draft_ids[best]
+        out = torch.stack(logits, dim=1)  # [M, K', vocab or V']
+        if draft_ids is None or draft_space:
+            return out
+        full = out.new_full((num_anchors, num_draft, cfg.vocab_size), float("-inf"))
+        return full.index_copy(2, draft_ids, out)
 
     forward = forward_chain
 
