@@ -185,6 +185,11 @@ class BootstrapConfig(TrainerConfig):
     text_feature_share: float = Field(
         0.4, gt=0, le=1, description="With time_budget_s: the text feature pass stops, between "
                                      "conversations, once this share of the budget has passed.")
+    narrow_block_share: float = Field(
+        0.0, ge=0, le=1, description="DFlash: the share of SFT blocks drafted narrower than block_size, "
+                                     "at a width drawn uniformly from 1..block_size-1, as the speculation "
+                                     "policy serves K' < K (a K'-block drafts from K' mask slots, not the "
+                                     "first K' of K); 0 = every block at block_size.")
 
     @model_validator(mode="after")
     def _has_training_data(self) -> BootstrapConfig:

@@ -37,7 +37,7 @@ from online_opd.train.sequences import (
     load_sequences,
     save_sequences,
 )
-from online_opd.train.sft import sample_anchors, sft_loss
+from online_opd.train.sft import narrow_block_widths, sample_anchors, sft_loss
 from online_opd.train.state import STATE_FILE
 from serve import engine
 from serve.cpu_runtime import runtime_env_for
@@ -264,15 +264,22 @@ def _sft_step_fn(drafter, sequences: list[TrainSequence], tcfg: BootstrapConfig,
     """One SFT step: `sequences_per_step` sequences drawn uniformly with replacement from the pool.
     Data-parallel as `opd.replay_records`: every rank draws all picks and anchors, scores its slice."""
 
+    # EAGLE-3 chains are causal (K' steps are the first K' of K): only DFlash blocks depend on their width
+    narrow = tcfg.narrow_block_share if drafter.method == "dflash" else 0.0
+
+    def draw(seq: TrainSequence) -> tuple[TrainSequence, torch.Tensor, torch.Tensor | None]:
+        anchors = sample_anchors(seq.prompt_len, seq.num_tokens, tcfg.anchors_per_sequence, gen)
+        widths = narrow_block_widths(len(anchors), drafter.cfg.block_size, narrow, gen) if narrow else None
+        return seq, anchors, widths
+
     def step_fn(step: int):
         picks = torch.randint(len(sequences), (tcfg.sequences_per_step,), generator=gen).tolist()
-        drawn = [(sequences[i], sample_anchors(sequences[i].prompt_len, sequences[i].num_tokens,
-                                               tcfg.anchors_per_sequence, gen)) for i in picks]
-        drawn = [(seq, anchors) for seq, anchors in drawn if len(anchors)]
+        drawn = [draw(sequences[i]) for i in picks]
+        drawn = [d for d in drawn if len(d[1])]
         lo, hi = dp.shard_bounds(len(drawn))
         losses, stats = [], []
-        for seq, anchors in drawn[lo:hi]:
-            loss, st = sft_loss(drafter, seq, anchors, decay=tcfg.sft_position_decay)
+        for seq, anchors, widths in drawn[lo:hi]:
+            loss, st = sft_loss(drafter, seq, anchors, decay=tcfg.sft_position_decay, widths=widths)
             losses.append(loss)
             stats.append(st)
         stats = dp.gather(stats)

@@ -66,8 +66,10 @@ def make_records() -> list[SequenceRecord]:
 
 
 def run_sft(sequences: list[TrainSequence], run_dir: Path) -> Path:
-    """The bootstrap's SFT loop (serve/pipeline.train_sft) on the tiny drafter, with CFG's step."""
-    cfg = OnlineOPDConfig.model_validate({"bootstrap": CFG.model_dump(exclude={"objective"})})
+    """The bootstrap's SFT loop (serve/pipeline.train_sft) on the tiny drafter, with CFG's step and
+    half of its blocks narrower than K (every rank draws the same widths)."""
+    cfg = OnlineOPDConfig.model_validate(
+        {"bootstrap": {**CFG.model_dump(exclude={"objective"}), "narrow_block_share": 0.5}})
     return train_sft(cfg, tiny_drafter(tiny_target(seed=1), seed=2), sequences, run_dir, {}, progress=False)
 
 

@@ -58,6 +58,50 @@ def test_packed_blocks_equal_single_blocks(target, features):
         torch.testing.assert_close(packed[i], single[0], atol=1e-5, rtol=1e-5)
 
 
+def test_mixed_widths_in_one_pass_equal_narrow_blocks(target, features):
+    """block_widths drafts block m from w_m mask slots in the same pass: its rows 1..w_m equal a
+    separate num_draft_tokens=w_m forward (what vLLM drafts at K' = w_m), and differ from the first
+    w_m rows of a full-width block (the slots see each other)."""
+    tokens, aux = features
+    drafter = tiny_drafter(target)
+    K = drafter.cfg.block_size
+    anchors, widths = torch.tensor([5, 11, 20, 33]), torch.tensor([1, K, 2, K - 1])
+    mixed = drafter(aux, anchors, tokens[anchors], block_widths=widths)
+    assert mixed.shape == (4, K, VOCAB)
+    full = drafter(aux, anchors, tokens[anchors])
+    for i, w in enumerate(widths.tolist()):
+        narrow = drafter(aux, anchors[i : i + 1], tokens[anchors[i : i + 1]], num_draft_tokens=w)
+        torch.testing.assert_close(mixed[i, :w], narrow[0], atol=1e-5, rtol=1e-5)
+    assert not torch.allclose(mixed[0, :1], full[0, :1], atol=1e-4)  # one mask slot is not the first of K
+    mask = block_attention_mask(torch.tensor([2, 4]), num_ctx=5, width=3, block_widths=torch.tensor([1, 2]))
+    assert mask[:, 5:].tolist() == [[True, True, False, False, False, False]] * 3 + [
+        [False, False, False, True, True, True]] * 3
+    for bad in (torch.tensor([0, 1, 1, 1]), torch.tensor([1, K + 1, 1, 1]), torch.tensor([1, 2])):
+        with pytest.raises(ValueError, match="block_widths"):
+            drafter(aux, anchors, tokens[anchors], block_widths=bad)
+
+
+def test_sft_on_narrow_blocks_supervises_only_their_positions(target, features):
+    from online_opd.train.sequences import TrainSequence
+    from online_opd.train.sft import narrow_block_widths, sft_loss
+
+    gen = torch.Generator().manual_seed(0)
+    assert narrow_block_widths(6, 4, 0.0, gen).tolist() == [4] * 6
+    drawn = narrow_block_widths(2000, 4, 0.5, gen)
+    assert set(drawn.tolist()) == {1, 2, 3, 4} and 0.45 < float((drawn < 4).float().mean()) < 0.55
+    assert narrow_block_widths(5, 1, 1.0, gen).tolist() == [1] * 5  # K = 1 has no narrower width
+    tokens, aux = features
+    drafter = tiny_drafter(target)
+    seq = TrainSequence(tokens, prompt_len=2)
+    seq.aux_hidden = aux
+    anchors = torch.tensor([5, 11, 20])
+    _, stats = sft_loss(drafter, seq, anchors, decay=7.0, widths=torch.tensor([1, 1, 2]))
+    assert stats["supervised_pos1"] == 1.0 and stats["supervised_pos2"] == pytest.approx(1 / 3)
+    assert stats["supervised_pos3"] == 0.0
+    _, full = sft_loss(drafter, seq, anchors, decay=7.0)
+    assert full["supervised_pos3"] == 1.0
+
+
 def test_draft_ignores_context_at_and_after_anchor(target, features):
     tokens, aux = features
     drafter = tiny_drafter(target)

@@ -71,17 +71,30 @@ def position_weights(block_size: int, decay: float) -> torch.Tensor:
     return torch.exp(-torch.arange(block_size, dtype=torch.float32) / decay)
 
 
+def narrow_block_widths(num_blocks: int, block_size: int, share: float, generator: torch.Generator) -> torch.Tensor:
+    """[num_blocks] widths: block_size, or with probability `share` a width drawn uniformly from
+    1..block_size-1 (the K' < K blocks the speculation policy serves)."""
+    narrow = torch.rand(num_blocks, generator=generator) < share
+    widths = torch.randint(1, max(block_size, 2), (num_blocks,), generator=generator)
+    return torch.where(narrow & (block_size > 1), widths, torch.full_like(widths, block_size))
+
+
 def sft_loss(
-    drafter, seq: TrainSequence, anchors: torch.Tensor, *, decay: float
+    drafter, seq: TrainSequence, anchors: torch.Tensor, *, decay: float, widths: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, float]]:
-    """Weighted block cross-entropy for one sequence; returns (loss, stats)."""
+    """Weighted block cross-entropy for one sequence; returns (loss, stats). `widths` [M]: block m
+    drafted from w_m mask slots (DFlash ``block_widths``), its positions beyond w_m unsupervised."""
     K = drafter.cfg.block_size
     context = seq.aux_hidden[: int(anchors.max())]
     labels = block_labels(seq.tokens, anchors, K, seq.labels)
+    extra = {}
+    if widths is not None:
+        extra["block_widths"] = widths
+        labels = labels.masked_fill(torch.arange(K)[None, :] >= widths[:, None], -100)
     if getattr(drafter.cfg, "draft_vocab_size", None) is None:
-        logits = drafter(context, anchors, seq.tokens[anchors], seq.tokens)  # [M, K, V]
+        logits = drafter(context, anchors, seq.tokens[anchors], seq.tokens, **extra)  # [M, K, V]
     else:  # scored over the draft vocabulary; a label outside it cannot be drafted: not supervised
-        logits = drafter(context, anchors, seq.tokens[anchors], seq.tokens, draft_space=True)  # [M, K, V']
+        logits = drafter(context, anchors, seq.tokens[anchors], seq.tokens, draft_space=True, **extra)  # [M, K, V']
         labels = to_draft_space(labels, drafter.draft_token_ids(), drafter.cfg.vocab_size)
     ce = F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), labels.reshape(-1),
                          ignore_index=-100, reduction="none").view_as(labels.float())

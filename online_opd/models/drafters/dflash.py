@@ -200,6 +200,7 @@ class DFlashDrafter(SharedHeadDrafter):
         draft_tokens: torch.Tensor | None = None,  # [M, K] unused: see below
         num_draft_tokens: int | None = None,  # K' in 1..K drafted per block; None = K
         draft_space: bool = False,
+        block_widths: torch.Tensor | None = None,  # [M] int in 1..K': block m drafted from w_m mask slots
     ) -> torch.Tensor:
         """Draft logits [M, K', vocab] for positions a+1 .. a+K' of every anchor; with
         ``draft_space`` and a reduced vocabulary [M, K', draft_vocab_size], column i for target id
@@ -210,7 +211,9 @@ class DFlashDrafter(SharedHeadDrafter):
         conditioned on x_<=a alone and never on the drafts before it, logged or its own.
         ``num_draft_tokens``: vLLM drafts K' < K tokens with K' mask slots when the server asks
         for fewer (num_speculative_tokens_per_batch_size); the slots see each other, so a
-        K'-block is not the first K' rows of a K-block."""
+        K'-block is not the first K' rows of a K-block. ``block_widths`` drafts block m as a
+        w_m-block in the same pass (its slots beyond w_m hidden from the block): rows 1..w_m equal a
+        separate ``num_draft_tokens=w_m`` forward, later rows are meaningless (training masks them)."""
         if self.embed_weight is None:
             raise RuntimeError("attach_target(embed, lm_head) before running the drafter")
         num_draft = check_num_draft_tokens(num_draft_tokens, self.cfg.block_size)
@@ -227,7 +230,10 @@ class DFlashDrafter(SharedHeadDrafter):
         ids = torch.full((num_blocks, width), cfg.mask_token_id, device=device)
         ids[:, 0] = anchor_tokens
         h = self.embed_weight[ids.reshape(-1)].to(dtype)
-        mask = block_attention_mask(anchors, num_ctx, width)
+        if block_widths is not None and not (
+                block_widths.shape == anchors.shape and bool(((block_widths >= 1) & (block_widths <= num_draft)).all())):
+            raise ValueError(f"block_widths must be [M] = [{num_blocks}] widths in 1..{num_draft}")
+        mask = block_attention_mask(anchors, num_ctx, width, block_widths)
         for layer in self.layers:
             ctx_k, ctx_v = layer.self_attn.context_kv(ctx, ctx_cos, ctx_sin)
             h = layer(h, cos, sin, ctx_k, ctx_v, mask)
@@ -251,13 +257,18 @@ def block_attention_mask(
     anchors: torch.Tensor,  # [M]
     num_ctx: int,
     width: int,
+    block_widths: torch.Tensor | None = None,  # [M] mask slots per block, 1..width-1; None = width-1
 ) -> torch.Tensor:
     """[M*width, num_ctx + M*width] bool: a slot of block m sees context
-    positions < a_m and every slot of its own block (non-causal)."""
+    positions < a_m and every slot of its own block (non-causal); with `block_widths`
+    only the block's slots 0..w_m (the anchor token and w_m mask slots)."""
     device = anchors.device
     block_of_slot = torch.arange(anchors.shape[0], device=device).repeat_interleave(width)
     ctx_visible = torch.arange(num_ctx, device=device)[None, :] < anchors[block_of_slot][:, None]
     same_block = block_of_slot[:, None] == block_of_slot[None, :]
+    if block_widths is not None:
+        slot = torch.arange(width, device=device).repeat(anchors.shape[0])
+        same_block &= (slot <= block_widths[block_of_slot])[None, :]
     return torch.cat([ctx_visible, same_block], dim=1)
 
 
