@@ -89,8 +89,9 @@ def sft_loss(
     labels = block_labels(seq.tokens, anchors, K, seq.labels)
     extra = {}
     if widths is not None:
+        widths = widths.to(labels.device)  # drawn on the CPU generator; the trainer may run on a GPU
         extra["block_widths"] = widths
-        labels = labels.masked_fill(torch.arange(K)[None, :] >= widths[:, None], -100)
+        labels = labels.masked_fill(torch.arange(K, device=labels.device)[None, :] >= widths[:, None], -100)
     if getattr(drafter.cfg, "draft_vocab_size", None) is None:
         logits = drafter(context, anchors, seq.tokens[anchors], seq.tokens, **extra)  # [M, K, V]
     else:  # scored over the draft vocabulary; a label outside it cannot be drafted: not supervised
