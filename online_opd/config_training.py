@@ -190,6 +190,12 @@ class BootstrapConfig(TrainerConfig):
                                      "at a width drawn uniformly from 1..block_size-1, as the speculation "
                                      "policy serves K' < K (a K'-block drafts from K' mask slots, not the "
                                      "first K' of K); 0 = every block at block_size.")
+    overlap_features: bool = Field(
+        False, description="Compute the text features in a second process beside the SFT (half the "
+                           "threads each; serve/feature_stream.py): the SFT starts once the rollouts' "
+                           "features are done and its pool grows while it trains; the feature pass then "
+                           "runs until the budget's end (text_feature_share does not apply). Single-process "
+                           "bootstraps on 2+ threads only (num_workers > 1 computes the text first).")
 
     @model_validator(mode="after")
     def _has_training_data(self) -> BootstrapConfig:

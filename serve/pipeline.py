@@ -17,6 +17,7 @@ import logging
 import time
 from dataclasses import asdict
 from pathlib import Path
+from typing import Callable
 
 import torch
 
@@ -41,6 +42,7 @@ from online_opd.train.sft import narrow_block_widths, sample_anchors, sft_loss
 from online_opd.train.state import STATE_FILE
 from serve import engine
 from serve.cpu_runtime import runtime_env_for
+from serve.feature_stream import FeatureStream
 from serve.signals import stop_on_signals
 
 logger = logging.getLogger(__name__)
@@ -175,25 +177,49 @@ def bootstrap(cfg: OnlineOPDConfig, run_dir: Path, *, progress: bool = True) -> 
     target_model = TargetModel.from_pretrained(target, dtype=torch.float32)
     drafter = new_drafter(cfg.drafter, target_model.config, load_tokenizer(target), target_model)
     drafter.attach_target(target_model.embed_weight, target_model.lm_head_weight)
+    hidden_size = target_model.config.hidden_size
     del target_model
     sequences = prepare_sequences(cfg, target, run_dir, drafter.target_layer_ids, progress=progress)
     num_rollouts = len(sequences)
-    sequences += prepare_text_sequences(
-        cfg, target, run_dir, drafter.target_layer_ids, progress=progress,
-        deadline=budget.deadline(cfg.bootstrap.text_feature_share) if budget is not None else None)
+    stream, vocab_data = None, sequences
+    if _overlaps(cfg, run_dir):
+        text = text_sequences(cfg, load_tokenizer(target))  # tokens only: the vocabulary and the memory check
+        check_feature_memory(text, hidden_size * len(drafter.target_layer_ids),
+                             f"text features (bootstrap.text_conversations={cfg.bootstrap.text_conversations})")
+        vocab_data = sequences + text
+        stream = FeatureStream.start(cfg, target, run_dir, drafter.target_layer_ids, deadline=(
+            budget.deadline() - RESERVE_SHARE * budget.total_s if budget is not None else None))
+        sequences += stream.poll()  # chunks an earlier run in this folder wrote
+        if not sequences:
+            sequences += stream.wait_first()
+    else:
+        sequences += prepare_text_sequences(
+            cfg, target, run_dir, drafter.target_layer_ids, progress=progress,
+            deadline=budget.deadline(cfg.bootstrap.text_feature_share) if budget is not None else None)
     if not sequences:
+        failed = stream.close().get("error") if stream is not None else None
+        if failed:
+            raise RuntimeError(f"bootstrap has no training sequences: no rollouts, and the text feature producer "
+                               f"failed before its first chunk: {failed}")
         raise RuntimeError("bootstrap has no training sequences: every rollout or text conversation was "
                            "empty or longer than model.max_model_len" +
                            (f", or the time budget's text share ended before the first conversation "
                             f"(bootstrap.time_budget_s={budget.total_s:.0f}, {budget.used_s():.0f} s used)"
                             if budget is not None else "") +
                            "; raise model.max_model_len or data.num_prompts / bootstrap.text_conversations")
-    vocab = choose_draft_vocab(cfg, drafter, load_tokenizer(target), sequences) \
+    vocab = choose_draft_vocab(cfg, drafter, load_tokenizer(target), vocab_data) \
         if cfg.drafter.init_from is None else {}
+    if vocab and stream is not None:  # the text's labels are not computed yet: its own tokens stand in
+        vocab["draft_vocab_source"] = "rollouts and text tokens"
     metrics = {"objective": "sft", "num_sequences": len(sequences),
                "num_text_sequences": len(sequences) - num_rollouts, **vocab}
     if budget is not None:
-        plan = plan_sft(cfg, drafter, sequences, run_dir, budget)
+        try:
+            plan = plan_sft(cfg, drafter, sequences, run_dir, budget)
+        except BaseException:
+            if stream is not None:
+                stream.close()
+            raise
         # the planned steps, and no text when the budget left none (a data-parallel worker then
         # looks for no text file)
         cfg = cfg.model_copy(update={"bootstrap": cfg.bootstrap.model_copy(update={
@@ -206,7 +232,24 @@ def bootstrap(cfg: OnlineOPDConfig, run_dir: Path, *, progress: bool = True) -> 
 
         save_drafter(drafter, run_dir / INIT_DRAFTER)
         return Path(bootstrap_dp(cfg, run_dir, metrics, time_budget_s=left_s)["drafter"])
-    return train_sft(cfg, drafter, sequences, run_dir, metrics, progress=progress, time_budget_s=left_s)
+    return train_sft(cfg, drafter, sequences, run_dir, metrics, progress=progress, time_budget_s=left_s,
+                     stream=stream)
+
+
+def _overlaps(cfg: OnlineOPDConfig, run_dir: Path) -> bool:
+    """Whether this bootstrap computes its text features beside the SFT (bootstrap.overlap_features);
+    sets the trainer's threads (bootstrap.num_threads) first, since the two processes split them."""
+    tcfg = cfg.bootstrap
+    if not tcfg.overlap_features or tcfg.text_conversations == 0:
+        return False
+    if tcfg.num_threads:
+        torch.set_num_threads(tcfg.num_threads)
+    why = ("the text features are already computed" if (run_dir / TEXT_SEQUENCES_FILE).exists() else
+           f"num_workers={tcfg.num_workers} read the text features from the run folder" if tcfg.num_workers > 1
+           else "one torch thread: nothing to split" if torch.get_num_threads() < 2 else None)
+    if why:
+        logger.info("bootstrap.overlap_features: not overlapping (%s)", why)
+    return why is None
 
 
 def plan_sft(cfg: OnlineOPDConfig, drafter, sequences: list[TrainSequence], run_dir: Path,
@@ -244,25 +287,35 @@ def plan_sft(cfg: OnlineOPDConfig, drafter, sequences: list[TrainSequence], run_
 
 
 def train_sft(cfg: OnlineOPDConfig, drafter, sequences: list[TrainSequence], run_dir: Path, metrics: dict, *,
-              progress: bool = True, time_budget_s: float | None = None) -> Path:
+              progress: bool = True, time_budget_s: float | None = None, stream: FeatureStream | None = None) -> Path:
     """The bootstrap's SFT loop in this process: the only one, or one rank of a torch.distributed group
-    (online_opd/train/distributed.py), where rank 0 alone writes the state and the drafter."""
+    (online_opd/train/distributed.py), where rank 0 alone writes the state and the drafter. With a
+    ``stream`` (bootstrap.overlap_features) the pool takes the producer's new chunks before every step."""
     tcfg = cfg.bootstrap
-    if tcfg.num_threads:
+    if tcfg.num_threads and stream is None:  # with a stream the threads were split when it started
         torch.set_num_threads(tcfg.num_threads)
     gen = torch.Generator().manual_seed(tcfg.seed)
-    with stop_on_signals() as stop:
-        last = train(_sft_step_fn(drafter, sequences, tcfg, gen), drafter, tcfg, run_dir, progress=progress,
-                     desc="bootstrap (SFT)", generator=gen, stop=stop, time_budget_s=time_budget_s)
+    num_rollouts = metrics["num_sequences"] - metrics["num_text_sequences"]
+    try:
+        with stop_on_signals() as stop:
+            last = train(_sft_step_fn(drafter, sequences, tcfg, gen, refill=stream.poll if stream else None),
+                         drafter, tcfg, run_dir, progress=progress, desc="bootstrap (SFT)", generator=gen,
+                         stop=stop, time_budget_s=time_budget_s)
+    finally:
+        if stream is not None:
+            metrics["feature_stream"] = stream.close()
+            metrics.update(num_sequences=len(sequences), num_text_sequences=len(sequences) - num_rollouts)
     if not dp.is_main_process():
         return run_dir / "drafter"
     return save_drafter(drafter, run_dir / "drafter", step=last,
                         metrics={**metrics, "num_workers": dp.world_size()})
 
 
-def _sft_step_fn(drafter, sequences: list[TrainSequence], tcfg: BootstrapConfig, gen: torch.Generator):
+def _sft_step_fn(drafter, sequences: list[TrainSequence], tcfg: BootstrapConfig, gen: torch.Generator,
+                 refill: Callable[[], list[TrainSequence]] | None = None):
     """One SFT step: `sequences_per_step` sequences drawn uniformly with replacement from the pool.
-    Data-parallel as `opd.replay_records`: every rank draws all picks and anchors, scores its slice."""
+    Data-parallel as `opd.replay_records`: every rank draws all picks and anchors, scores its slice.
+    ``refill`` (a growing pool, single process only): sequences added to the pool before each step."""
 
     # EAGLE-3 chains are causal (K' steps are the first K' of K): only DFlash blocks depend on their width
     narrow = tcfg.narrow_block_share if drafter.method == "dflash" else 0.0
@@ -273,6 +326,8 @@ def _sft_step_fn(drafter, sequences: list[TrainSequence], tcfg: BootstrapConfig,
         return seq, anchors, widths
 
     def step_fn(step: int):
+        if refill is not None:
+            sequences.extend(refill())
         picks = torch.randint(len(sequences), (tcfg.sequences_per_step,), generator=gen).tolist()
         drawn = [draw(sequences[i]) for i in picks]
         drawn = [d for d in drawn if len(d[1])]
@@ -284,6 +339,8 @@ def _sft_step_fn(drafter, sequences: list[TrainSequence], tcfg: BootstrapConfig,
             stats.append(st)
         stats = dp.gather(stats)
         mean = {k: sum(s[k] for s in stats) / len(stats) for k in stats[0]}
+        if refill is not None:
+            mean["pool_sequences"] = len(sequences)
         return dp.share_of_mean(losses, len(drawn)), mean
 
     return step_fn

@@ -13,6 +13,11 @@ without it. With a budget the phases are sized to the machine they run on:
   them into what is left, less a reserve for saving, and the loop stops at the
   budget's end in any case (``train``'s ``time_budget_s``).
 
+With ``bootstrap.overlap_features`` the text feature pass runs beside the SFT
+instead (serve/feature_stream.py), from the end of the rollouts' features to the
+SFT's end (the budget less the reserve); the step time is then measured while it
+runs, on the trainer's share of the threads.
+
 The plan is stored in the run folder (``budget.json``) and a resumed run keeps it:
 the learning-rate schedule depends on the number of steps.
 """
