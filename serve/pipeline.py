@@ -189,13 +189,27 @@ def bootstrap(cfg: OnlineOPDConfig, run_dir: Path, *, progress: bool = True) -> 
         vocab_data = sequences + text
         stream = FeatureStream.start(cfg, target, run_dir, drafter.target_layer_ids, deadline=(
             budget.deadline() - RESERVE_SHARE * budget.total_s if budget is not None else None))
-        sequences += stream.poll()  # chunks an earlier run in this folder wrote
-        if not sequences:
-            sequences += stream.wait_first()
     else:
         sequences += prepare_text_sequences(
             cfg, target, run_dir, drafter.target_layer_ids, progress=progress,
             deadline=budget.deadline(cfg.bootstrap.text_feature_share) if budget is not None else None)
+    try:
+        if stream is not None:
+            sequences += stream.poll()  # chunks an earlier run in this folder wrote
+            if not sequences:
+                sequences += stream.wait_first()
+        return _train_bootstrap(cfg, target, run_dir, drafter, sequences, num_rollouts, vocab_data, budget,
+                                stream, progress)
+    finally:
+        if stream is not None:  # stopped in any case (an error, Ctrl-C); train_sft has recorded its summary
+            stream.close()
+
+
+def _train_bootstrap(cfg: OnlineOPDConfig, target: Path, run_dir: Path, drafter, sequences: list[TrainSequence],
+                     num_rollouts: int, vocab_data: list[TrainSequence], budget: Budget | None,
+                     stream: FeatureStream | None, progress: bool) -> Path:
+    """The bootstrap once its data is there (or, overlapped, arriving): the draft vocabulary, the step
+    plan, the SFT."""
     if not sequences:
         failed = stream.close().get("error") if stream is not None else None
         if failed:
@@ -214,12 +228,7 @@ def bootstrap(cfg: OnlineOPDConfig, run_dir: Path, *, progress: bool = True) -> 
     metrics = {"objective": "sft", "num_sequences": len(sequences),
                "num_text_sequences": len(sequences) - num_rollouts, **vocab}
     if budget is not None:
-        try:
-            plan = plan_sft(cfg, drafter, sequences, run_dir, budget)
-        except BaseException:
-            if stream is not None:
-                stream.close()
-            raise
+        plan = plan_sft(cfg, drafter, sequences, run_dir, budget)
         # the planned steps, and no text when the budget left none (a data-parallel worker then
         # looks for no text file)
         cfg = cfg.model_copy(update={"bootstrap": cfg.bootstrap.model_copy(update={
@@ -295,7 +304,7 @@ def train_sft(cfg: OnlineOPDConfig, drafter, sequences: list[TrainSequence], run
     if tcfg.num_threads and stream is None:  # with a stream the threads were split when it started
         torch.set_num_threads(tcfg.num_threads)
     gen = torch.Generator().manual_seed(tcfg.seed)
-    num_rollouts = metrics["num_sequences"] - metrics["num_text_sequences"]
+    pool_at_start = len(sequences)
     try:
         with stop_on_signals() as stop:
             last = train(_sft_step_fn(drafter, sequences, tcfg, gen, refill=stream.poll if stream else None),
@@ -304,7 +313,8 @@ def train_sft(cfg: OnlineOPDConfig, drafter, sequences: list[TrainSequence], run
     finally:
         if stream is not None:
             metrics["feature_stream"] = stream.close()
-            metrics.update(num_sequences=len(sequences), num_text_sequences=len(sequences) - num_rollouts)
+            grown = len(sequences) - pool_at_start  # text the pool took while training
+            metrics.update(num_sequences=len(sequences), num_text_sequences=metrics.get("num_text_sequences", 0) + grown)
     if not dp.is_main_process():
         return run_dir / "drafter"
     return save_drafter(drafter, run_dir / "drafter", step=last,

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -25,22 +26,28 @@ def _text_only(*overrides: str):
                                                          "bootstrap.overlap_features=true", *overrides])
 
 
+@contextmanager
+def _torch_threads(n: int):
+    before = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
 @pytest.fixture
 def two_threads():
     """The test process runs torch on one thread (conftest); a stream splits two."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(2)
-    yield
-    torch.set_num_threads(before)
+    with _torch_threads(2):
+        yield
 
 
 @pytest.fixture
 def one_thread():
     """The producer computes on one thread; a reference computed on as many is bit-identical."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+    with _torch_threads(1):
+        yield
 
 
 def test_chunk_names_round_trip(tmp_path):
