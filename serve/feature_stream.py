@@ -70,7 +70,7 @@ def chunks(folder: Path) -> list[tuple[int, int, Path]]:
     return sorted(found)
 
 
-def produce(config_json: str, target: str, folder: str, layer_ids: tuple[int, ...], deadline: float | None,
+def produce(config: dict, target: str, folder: str, layer_ids: tuple[int, ...], deadline: float | None,
             threads: int) -> None:
     """The producer process (module docstring); ``deadline`` is a ``time.monotonic`` reading (the clock is
     system-wide on Linux, so the parent's reading holds here)."""
@@ -84,7 +84,7 @@ def produce(config_json: str, target: str, folder: str, layer_ids: tuple[int, ..
         from online_opd.train.sequences import compute_aux_hidden, save_sequences
         from serve.pipeline import feature_dtype, load_tokenizer, text_sequences
 
-        cfg = OnlineOPDConfig.model_validate(json.loads(config_json))
+        cfg = OnlineOPDConfig.model_validate(config)
         sequences = text_sequences(cfg, load_tokenizer(Path(target)))
         first = max((end for _, end, _ in chunks(out)), default=0)
         model = TargetModel.from_pretrained(Path(target), dtype=feature_dtype(cfg))
@@ -141,7 +141,7 @@ class FeatureStream:
         producer = max(1, threads // 2)
         process = multiprocessing.get_context("spawn").Process(
             target=produce, name="online-opd text features", daemon=True,
-            args=(json.dumps(cfg.model_dump(mode="json")), str(target), str(folder), tuple(layer_ids), deadline, producer))
+            args=(cfg.model_dump(mode="json"), str(target), str(folder), tuple(layer_ids), deadline, producer))
         process.start()
         torch.set_num_threads(max(1, threads - producer))
         logger.info("text features beside the SFT: a producer process on %d thread(s), the trainer on %d "
@@ -173,7 +173,8 @@ class FeatureStream:
             time.sleep(poll_s)
 
     def close(self, timeout_s: float = 120.0) -> dict:
-        """Ask the producer to stop, wait for it (a conversation at most), and return its summary."""
+        """Ask the producer to stop, wait for it (it looks between chunks: one chunk at most), and return its
+        summary."""
         if self.process.is_alive():
             (self.folder / STOP_FILE).touch()
             self.process.join(timeout_s)

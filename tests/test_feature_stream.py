@@ -72,8 +72,8 @@ def test_the_producer_writes_the_sequential_features_and_a_rerun_resumes_after_i
     monkeypatch.setattr(feature_stream, "CHUNK_SEQUENCES", 2)
     cfg = _text_only("bootstrap.text_conversations=5")
     target = ensure_embedded_target(progress=False)
-    config_json = json.dumps(cfg.model_dump(mode="json"))
-    produce(config_json, str(target), str(tmp_path), LAYERS, None, 1)
+    config = cfg.model_dump(mode="json")
+    produce(config, str(target), str(tmp_path), LAYERS, None, 1)
     assert [(a, b) for a, b, _ in chunks(tmp_path)] == [(0, 2), (2, 4), (4, 5)]
     end = json.loads((tmp_path / END_FILE).read_text())
     assert end["reason"] == "done" and end["sequences"] == 5 and end["error"] is None
@@ -93,7 +93,7 @@ def test_the_producer_writes_the_sequential_features_and_a_rerun_resumes_after_i
     for _, end_index, path in chunks(tmp_path):
         if end_index > 2:
             path.unlink()
-    produce(config_json, str(target), str(tmp_path), LAYERS, None, 1)
+    produce(config, str(target), str(tmp_path), LAYERS, None, 1)
     assert [(a, b) for a, b, _ in chunks(tmp_path)] == [(0, 2), (2, 4), (4, 5)]
     assert first.stat().st_mtime_ns == kept
     assert json.loads((tmp_path / END_FILE).read_text())["sequences"] == 3  # this run's: 2 to 5
@@ -104,7 +104,7 @@ def test_the_producer_writes_the_sequential_features_and_a_rerun_resumes_after_i
 @pytest.mark.slow
 def test_a_producer_at_its_deadline_stops_between_conversations(tmp_path):
     cfg = _text_only("bootstrap.text_conversations=5")
-    produce(json.dumps(cfg.model_dump(mode="json")), str(ensure_embedded_target(progress=False)), str(tmp_path),
+    produce(cfg.model_dump(mode="json"), str(ensure_embedded_target(progress=False)), str(tmp_path),
             LAYERS, time.monotonic() - 1.0, 1)
     assert chunks(tmp_path) == []
     assert json.loads((tmp_path / END_FILE).read_text())["reason"] == "deadline"
