@@ -14,7 +14,8 @@ pooled acceptance length of the drafter's greedy blocks over the held-out
 rollouts (`rollout.greedy_blocks`, exact T=0 vLLM proposals per the parity
 tests), so no engine runs per arm. Per arm: mean tau over seeds with a 95%
 t-interval, the gain over the bootstrap, and the paired difference against
-draft_opd at the same seed (same data, same sampling generator). Prints JSON.
+the --reference arm (draft_opd) at the same seed (same data, same sampling
+generator). Prints JSON.
 
     python benchmarks/objectives.py --bootstrap runs/exp/bt-text --out runs/objectives \
         --json-out benchmarks/results/objectives.json
@@ -50,6 +51,7 @@ OPD_ARMS = {  # trainer-config updates of the arms trained on the bootstrap's re
     "draft_opd_sequence_pooling": {"objective": "draft_opd", "loss_pooling": "sequence"},
     "target_rollout": {"objective": "target_rollout"},
     "first_rejected_only": {"objective": "draft_opd", "first_rejected_only": True},
+    "lk": {"objective": "lk"},  # -log acceptance rate on target_rollout's positions (arXiv 2602.23881)
 }
 ARMS = (*OPD_ARMS, "sft")
 
@@ -111,8 +113,8 @@ def train_seed(cfg, args, target, seed: int, records, sequences, held) -> dict:
     return results
 
 
-def summarise(per_seed: dict[int, dict], boot_tau: float, arms) -> dict:
-    """Per arm: tau over seeds with its interval, gain over the bootstrap, paired diff vs draft_opd."""
+def summarise(per_seed: dict[int, dict], boot_tau: float, arms, reference: str = REFERENCE_ARM) -> dict:
+    """Per arm: tau over seeds with its interval, gain over the bootstrap, paired diff vs ``reference``."""
     seeds = sorted(per_seed)
     summary = {}
     for arm in arms:
@@ -120,9 +122,11 @@ def summarise(per_seed: dict[int, dict], boot_tau: float, arms) -> dict:
         entry = {"tau": t_interval(taus), "gain_over_bootstrap": round(statistics.fmean(taus) - boot_tau, 4),
                  "steps": [per_seed[s][arm]["steps"] for s in seeds],
                  "trainer_seconds": [per_seed[s][arm]["trainer_seconds"] for s in seeds]}
-        if arm != REFERENCE_ARM and REFERENCE_ARM in arms:
-            diffs = [per_seed[s][arm]["tau"] - per_seed[s][REFERENCE_ARM]["tau"] for s in seeds]
-            entry[f"paired_diff_vs_{REFERENCE_ARM}"] = t_interval(diffs)
+        if arm != reference and reference in arms:
+            diffs = [per_seed[s][arm]["tau"] - per_seed[s][reference]["tau"] for s in seeds]
+            entry[f"paired_diff_vs_{reference}"] = t_interval(diffs)
+            ratios = [per_seed[s][arm]["tau"] / per_seed[s][reference]["tau"] for s in seeds]
+            entry[f"paired_ratio_vs_{reference}"] = t_interval(ratios)
         summary[arm] = entry
     return summary
 
@@ -135,12 +139,16 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--steps", type=int, default=30, help="steps of each arm but SFT (equal seconds)")
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     parser.add_argument("--arms", nargs="+", default=list(ARMS), choices=ARMS)
+    parser.add_argument("--reference", default=REFERENCE_ARM, choices=ARMS,
+                        help="the arm every other arm is paired with, seed by seed")
     parser.add_argument("--num-held-out", type=int, default=48, help="held-out prompts scored")
     parser.add_argument("--json-out", type=Path, default=None, help="also write the JSON here")
     parser.add_argument("overrides", nargs="*", help=f"dotted config overrides (after {DEFAULT_OVERRIDES})")
     args = parser.parse_args()
     if "sft" in args.arms and REFERENCE_ARM not in args.arms:
         parser.error(f"--arms: sft trains for {REFERENCE_ARM}'s trainer seconds; add {REFERENCE_ARM}")
+    if args.reference not in args.arms:
+        parser.error(f"--reference {args.reference} is not among --arms {args.arms}")
     return args
 
 
@@ -161,7 +169,8 @@ def main() -> None:
         "cpu_count": os.cpu_count(), "bootstrap": str(args.bootstrap), "steps": args.steps, "seeds": args.seeds,
         "overrides": [*DEFAULT_OVERRIDES, *args.overrides], "num_train_sequences": len(sequences),
         "num_records": len(records), "num_held_out_sequences": len(held), "bootstrap_score": boot_score,
-        "summary": summarise(per_seed, boot_score["tau"], args.arms), "per_seed": per_seed,
+        "reference": args.reference,
+        "summary": summarise(per_seed, boot_score["tau"], args.arms, args.reference), "per_seed": per_seed,
     }
     text = json.dumps(result, indent=2)
     if args.json_out is not None:

@@ -16,7 +16,7 @@ from online_opd.config_base import PromptSource, StrictModel
 __all__ = ["TrainerConfig", "AutoObjectiveConfig", "BootstrapConfig", "EvalConfig"]
 
 
-ReplayObjective = Literal["draft_opd", "all_forward", "all_reverse", "target_rollout"]
+ReplayObjective = Literal["draft_opd", "all_forward", "all_reverse", "target_rollout", "lk"]
 
 
 class AutoObjectiveConfig(StrictModel):
@@ -62,10 +62,10 @@ class AutoObjectiveConfig(StrictModel):
 class TrainerConfig(StrictModel):
     """Distillation objective, optimiser and loop of the drafter trainer."""
 
-    objective: Literal["sft", "draft_opd", "all_forward", "all_reverse", "target_rollout", "auto"] = Field(
+    objective: Literal["sft", "draft_opd", "all_forward", "all_reverse", "target_rollout", "lk", "auto"] = Field(
         "auto", description="Training objective: auto (chosen from live acceptance between trainer.auto.weak "
-                            "and strong: target-rollout KL, then Draft-OPD), Draft-OPD, its ablations, or "
-                            "DFlash-style SFT.")
+                            "and strong: target-rollout KL, then Draft-OPD), Draft-OPD, its ablations, the "
+                            "LK loss -log acceptance rate on the verified trajectory (lk), or DFlash-style SFT.")
     auto: AutoObjectiveConfig = Field(
         default_factory=AutoObjectiveConfig, description="The objective schedule of objective: auto.")
     lr: float = Field(3e-4, gt=0, description="Peak AdamW learning rate.")
@@ -156,7 +156,7 @@ class BootstrapConfig(TrainerConfig):
     """The trainer's fields with the SFT warm-up's defaults: a partly written ``bootstrap`` section
     keeps them (a plain TrainerConfig would fall back to Draft-OPD into runs/train)."""
 
-    objective: Literal["sft", "draft_opd", "all_forward", "all_reverse", "target_rollout"] = Field(
+    objective: Literal["sft", "draft_opd", "all_forward", "all_reverse", "target_rollout", "lk"] = Field(
         "sft", description="Training objective of the warm-up (DFlash-style SFT by default).")
     lr: float = Field(1e-3, gt=0, description="Peak AdamW learning rate.")
     num_steps: int = Field(600, ge=1, description="Optimiser steps.")

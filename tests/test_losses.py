@@ -8,11 +8,14 @@ import pytest
 import torch
 
 from online_opd.opd.losses import (
+    LK_MIN_ACCEPTANCE,
     LOSSES,
+    acceptance_rate,
     all_forward_loss,
     all_reverse_loss,
     draft_opd_loss,
     get_loss,
+    lk_loss,
     position_masks,
     target_rollout_loss,
 )
@@ -33,6 +36,9 @@ F_C = 0.2 * math.log(0.2 / 0.5) + 0.3 * math.log(0.3 / 0.25) + 0.5 * math.log(0.
 R_A = 0.2 * math.log(0.2 / 0.5) + 0.2 * math.log(0.2 / 0.3) + 0.6 * math.log(0.6 / 0.2)
 R_B = 0.4 * math.log(0.4 / 0.8) + 0.4 * math.log(0.4 / 0.1) + 0.2 * math.log(0.2 / 0.1)
 R_C = 0.5 * math.log(0.5 / 0.2) + 0.25 * math.log(0.25 / 0.3) + 0.25 * math.log(0.25 / 0.5)
+# acceptance rate alpha_X = sum min(p, q); LK loss L_X = -ln alpha_X
+ALPHA = {"A": 0.2 + 0.2 + 0.2, "B": 0.4 + 0.1 + 0.1, "C": 0.2 + 0.25 + 0.25}
+L_A, L_B, L_C = (-math.log(ALPHA[x]) for x in "ABC")
 
 # Two blocks, K = 3: block 0 is positions (A, B, C), block 1 is (C, A, B).
 BLOCKS = (("A", "B", "C"), ("C", "A", "B"))
@@ -180,6 +186,51 @@ def test_target_rollout_loss():
     _close(out.loss, (F_A + F_B + F_C + F_C + F_A) / 5)
 
 
+def test_acceptance_rate_is_the_overlap_of_p_and_q():
+    log_p, log_q = torch.log_softmax(TARGET, -1), torch.log_softmax(DRAFT, -1)
+    alpha = acceptance_rate(log_p, log_q)
+    expected = [[ALPHA[x] for x in block] for block in BLOCKS]
+    assert alpha.tolist() == [pytest.approx(row, rel=1e-12) for row in expected]
+    tv = 0.5 * (log_p.exp() - log_q.exp()).abs().sum(-1)
+    torch.testing.assert_close(alpha, 1 - tv)  # alpha = 1 - TV(p, q)
+
+
+def test_lk_loss_on_the_verified_trajectory():
+    out = lk_loss(TARGET, DRAFT, _r(0, 2))
+    # positions of target_rollout: block 0 k <= 1 -> A; block 1 k <= 3 -> C, A, B
+    _close(out.loss, (L_A + L_C + L_A + L_B) / 4)
+    _close(out.accepted, (L_C + L_A) / 2)
+    _close(out.rejected, (L_A + L_B) / 2)
+    assert (out.num_accepted_positions, out.num_rejected_positions) == (2, 2)
+    assert out.group_lambdas is None
+
+
+def test_lk_loss_gradient_by_hand_and_its_limits():
+    # p = (0.5, 0.5), q = (0.25, 0.75): alpha = 0.25 + 0.5 = 0.75, only q_0 < p_0, so
+    # d alpha / dz_j = q_0 (delta_0j - q_j) = (0.1875, -0.1875) and d(-ln alpha)/dz = (-0.25, 0.25)
+    draft = Q_QUARTER.clone().requires_grad_(True)
+    out = lk_loss(P_HALF, draft, _r(0))
+    _close(out.loss, -math.log(0.75))
+    out.loss.backward()
+    assert draft.grad[0, 0].tolist() == pytest.approx([-0.25, 0.25], abs=1e-12)
+    # a one-hot teacher: -ln alpha is the cross-entropy of its token
+    onehot = torch.tensor([[[60.0, 0.0]]], dtype=torch.float64)
+    _close(lk_loss(onehot, Q_QUARTER, _r(0)).loss, -math.log(0.25))
+    # a reduced draft vocabulary (-inf outside): p renormalised over it, p = (0.625, 0.375), q = (0.4, 0.6)
+    target = torch.tensor([[[0.5, 0.3, 0.2]]], dtype=torch.float64).log()
+    draft = torch.tensor([[[0.4, 0.6, 0.0]]], dtype=torch.float64).log().requires_grad_(True)
+    out = lk_loss(target, draft, _r(1))
+    _close(out.loss, -math.log(0.4 + 0.375))
+    out.loss.backward()
+    assert torch.isfinite(draft.grad).all() and draft.grad[0, 0, 2] == 0
+    # next to no common mass (alpha ~ 2e-44): the floor keeps the loss and its gradient finite
+    draft = torch.tensor([[[-50.0, 50.0]]], dtype=torch.float64).requires_grad_(True)
+    apart = lk_loss(torch.tensor([[[50.0, -50.0]]], dtype=torch.float64), draft, _r(0))
+    assert apart.loss.item() == pytest.approx(-math.log(LK_MIN_ACCEPTANCE), rel=1e-9)
+    apart.loss.backward()
+    assert torch.isfinite(draft.grad).all()
+
+
 # --- general properties -----------------------------------------------------
 
 ALL_VARIANTS = [
@@ -188,6 +239,7 @@ ALL_VARIANTS = [
     ("all_forward", all_forward_loss),
     ("all_reverse", lambda t, d, r: all_reverse_loss(t, d, r, gamma=0.7)),
     ("target_rollout", target_rollout_loss),
+    ("lk", lk_loss),
 ]
 VARIANT_FNS = [fn for _, fn in ALL_VARIANTS]
 VARIANT_IDS = [name for name, _ in ALL_VARIANTS]
@@ -267,12 +319,13 @@ def test_get_loss_computes_the_objective_its_name_says():
         "all_forward": (F_A + F_B + F_C + F_C + F_A + F_B) / 6,
         "all_reverse": (R_A + 0.8 * R_B + 0.64 * R_C + R_C + 0.8 * R_A + 0.64 * R_B) / (2 * 2.44),
         "target_rollout": (F_A + F_C + F_A + F_B) / 4,
+        "lk": (L_A + L_C + L_A + L_B) / 4,
     }
     assert sorted(LOSSES) == sorted(expected)
     for name, value in expected.items():
         _close(get_loss(name)(TARGET, DRAFT, _r(0, 2)).loss, value)
     with pytest.raises(ValueError, match="unknown loss 'sft'; valid names: all_forward, all_reverse, "
-                                         "draft_opd, target_rollout"):
+                                         "draft_opd, lk, target_rollout"):
         get_loss("sft")
 
 
@@ -287,6 +340,7 @@ def test_blocks_shorter_than_k_leave_their_padding_rows_out():
         "all_forward": (F_A + F_B + F_C + F_C + F_A) / 5,
         "all_reverse": (R_A + 0.8 * R_B + 0.64 * R_C + R_C + 0.8 * R_A) / (2.44 + 1.8),
         "target_rollout": (F_C + F_A + F_A) / 3,  # block 1 fully accepted: no first rejected row
+        "lk": (L_C + L_A + L_A) / 3,
     }
     for name, value in expected.items():
         draft = junk_d.clone().requires_grad_(True)

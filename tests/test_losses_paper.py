@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from online_opd.config import ConfigError, TrainerConfig, load_config
-from online_opd.opd.losses import all_forward_loss, draft_opd_loss, pool_losses
+from online_opd.opd.losses import all_forward_loss, draft_opd_loss, lk_loss, pool_losses
 from online_opd.opd.replay import replay_sequence
 from online_opd.opd.rollout import greedy_blocks
 from online_opd.traces.records import SequenceRecord
@@ -137,3 +137,26 @@ def test_loss_pooling_defaults_to_the_paper_and_is_validated():
     assert load_config(overrides=["trainer.loss_pooling=sequence"]).trainer.loss_pooling == "sequence"
     with pytest.raises(ConfigError, match="loss_pooling"):
         load_config(overrides=["trainer.loss_pooling=token"])
+
+
+def test_lk_objective_replays_pooled_over_the_step_and_trains_online_or_as_auto_weak():
+    # trainer.objective=lk scores a step's replayed blocks like every other objective: -log alpha over
+    # the union of the records' verified-trajectory positions, and gives the drafter a gradient
+    target, drafter, records = _tiny_records()
+    objective = objective_fn(load_config(overrides=["trainer.objective=lk"]).trainer)
+    out = replay_records(target, drafter, records, objective, anchors_per_sequence=5,
+                         generator=torch.Generator().manual_seed(3), pooling="batch")
+    gen = torch.Generator().manual_seed(3)
+    batches = [replay_sequence(target, drafter, torch.tensor(r.tokens), choose_blocks(r, 5, gen)) for r in records]
+    K = drafter.cfg.block_size
+    with torch.no_grad():
+        union = lk_loss(torch.cat([_padded(b.target_logits, K) for b in batches]),
+                        torch.cat([_padded(b.draft_logits, K) for b in batches]),
+                        torch.cat([b.num_accepted for b in batches]),
+                        num_drafted=torch.cat([b.num_drafted for b in batches]))
+    assert union.num_accepted_positions + union.num_rejected_positions > 0
+    assert out.loss.item() == pytest.approx(union.loss.item(), rel=1e-5) and out.loss.item() > 0
+    out.loss.backward()
+    assert any(p.grad is not None and p.grad.abs().sum() > 0 for p in drafter.parameters())
+    assert load_config(overrides=["trainer.auto.weak=lk"]).trainer.auto.weak == "lk"
+    assert load_config(overrides=["bootstrap.objective=lk"]).bootstrap.objective == "lk"

@@ -17,6 +17,9 @@ objective reads, and r_m <= K_m. Without it every block is K long.
     w_k   = gamma^(k-1)                                          (eq. 12)
     L     = (l_acc L_acc + l_rej L_rej) / (l_acc + l_rej)        (eq. 13)
 
+Beside them ``lk_loss``: -log of the acceptance rate sum_v min(p, q) (LK losses, arXiv 2602.23881)
+on the verified trajectory, the positions of ``target_rollout_loss``.
+
 Every objective returns a ``DraftOPDLoss``: ``.loss`` is what to backpropagate,
 ``.accepted`` / ``.rejected`` are that objective restricted to the accepted /
 rejected group (each normalised within its group) for logging. A group with no
@@ -315,6 +318,46 @@ def target_rollout_loss(
     return DraftOPDLoss(loss, _masked_mean(kl, acc), _masked_mean(kl, first_rej), *_totals(acc, first_rej))
 
 
+LK_MIN_ACCEPTANCE = 1e-6  # floor of alpha in lk_loss: -log stays finite where p and q share no mass
+
+
+def acceptance_rate(
+    log_p: torch.Tensor,  # [num_blocks, K, vocab] target log-probabilities (teacher)
+    log_q: torch.Tensor,  # [num_blocks, K, vocab] draft log-probabilities
+) -> torch.Tensor:
+    """alpha = sum_v min(p(v), q(v)) = 1 - TV(p, q) per position: [num_blocks, K].
+
+    The probability that speculative sampling accepts the drafter's token at that position (Leviathan
+    et al. 2023, their beta), differentiable in q almost everywhere: d alpha / d q(v) = 1 where q(v) < p(v).
+    Tokens outside a reduced draft vocabulary (both -inf) add 0.
+    """
+    return torch.minimum(log_p, log_q).exp().sum(-1)
+
+
+def lk_loss(
+    target_logits: torch.Tensor,  # [num_blocks, K, vocab]
+    draft_logits: torch.Tensor,  # [num_blocks, K, vocab]
+    num_accepted: torch.Tensor,  # [num_blocks] int, values in 0..K
+    *,
+    num_drafted: torch.Tensor | None = None,  # [num_blocks] int K_m in 1..K; None = K
+) -> DraftOPDLoss:
+    """LK loss -log alpha (Samarin et al. 2026, arXiv 2602.23881) on the verified trajectory.
+
+    Acceptance rate itself instead of a KL proxy: alpha = sum_v min(p, q) (``acceptance_rate``), and
+    -log alpha's gradient is TV's scaled by 1 / alpha, large where the drafter is far off (pure TV's
+    vanishes there). The positions are target_rollout's, k <= min(r + 1, K_m): the states the
+    verified continuation visits, where a draft token can be accepted at all. With a one-hot
+    teacher -log alpha is the cross-entropy of the teacher's token; with p = q it is 0.
+    ``.accepted``: mean over k <= r; ``.rejected``: mean over position r + 1; ``.loss``: both pooled.
+    """
+    _check_inputs(target_logits, draft_logits, num_accepted, num_drafted)
+    acc, first_rej = _masks(num_accepted, draft_logits.shape[1], True, num_drafted)
+    alpha = acceptance_rate(*_log_probs(target_logits, draft_logits))  # [num_blocks, K]
+    nll = -alpha.clamp_min(LK_MIN_ACCEPTANCE).log()  # [num_blocks, K]
+    loss = _masked_mean(nll, acc | first_rej)
+    return DraftOPDLoss(loss, _masked_mean(nll, acc), _masked_mean(nll, first_rej), *_totals(acc, first_rej))
+
+
 def pool_losses(
     parts: Sequence[DraftOPDLoss],
     total_weights: tuple[float, float] | None = None,
@@ -359,6 +402,7 @@ LOSSES: dict[str, LossFn] = {
     "all_forward": all_forward_loss,
     "all_reverse": all_reverse_loss,
     "target_rollout": target_rollout_loss,
+    "lk": lk_loss,
 }
 
 
