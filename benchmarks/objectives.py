@@ -52,6 +52,7 @@ OPD_ARMS = {  # trainer-config updates of the arms trained on the bootstrap's re
     "target_rollout": {"objective": "target_rollout"},
     "first_rejected_only": {"objective": "draft_opd", "first_rejected_only": True},
     "lk": {"objective": "lk"},  # -log acceptance rate on target_rollout's positions (arXiv 2602.23881)
+    "lk_greedy": {"objective": "lk", "lk_temperature": 0.0},  # the same, teacher = the target's greedy token
 }
 ARMS = (*OPD_ARMS, "sft")
 

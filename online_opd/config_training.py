@@ -83,6 +83,9 @@ class TrainerConfig(StrictModel):
     lambda_acc: float = Field(1.0, ge=0, description="Weight of the accepted-position forward KL (eq. 13).")
     lambda_rej: float = Field(1.0, ge=0, description="Weight of the rejected-position reverse KL (eq. 13).")
     first_rejected_only: bool = Field(False, description="Rejected group = only the first rejected position.")
+    lk_temperature: float = Field(
+        1.0, ge=0, description="Teacher temperature of objective lk: p = softmax(target logits / T); 0 = the "
+                               "target's greedy token (T=0 verification's acceptance).")
     loss_pooling: Literal["batch", "sequence"] = Field(
         "batch", description="How the objective averages a step's sequences: 'batch' pools every replayed "
                              "(block, position) of the step into I_acc / I_rej (paper eq. 10-11); 'sequence' "

@@ -231,6 +231,26 @@ def test_lk_loss_gradient_by_hand_and_its_limits():
     assert torch.isfinite(draft.grad).all()
 
 
+def test_lk_loss_teacher_temperature():
+    # T = 0: p one-hot on the target's argmax (A: token 0, q_0 = 0.2; B: token 0, 0.4; C: token 2, 0.25)
+    ce = {"A": -math.log(0.2), "B": -math.log(0.4), "C": -math.log(0.25)}
+    draft = DRAFT.clone().requires_grad_(True)
+    out = lk_loss(TARGET, draft, _r(0, 2), temperature=0)
+    _close(out.loss, (ce["A"] + ce["C"] + ce["A"] + ce["B"]) / 4)
+    out.loss.backward()  # the cross-entropy's gradient q - onehot at block 0, position 1 (A)
+    assert draft.grad[0, 0].tolist() == pytest.approx([(0.2 - 1) / 4, 0.2 / 4, 0.6 / 4], abs=1e-12)
+    # a tie shares the teacher's mass: p = (0.5, 0.5) at T = 0 is p itself
+    _close(lk_loss(P_HALF, Q_QUARTER, _r(0), temperature=0).loss, -math.log(0.75))
+    # T = 2: p ~ sqrt(p) renormalised
+    p2 = torch.tensor([0.5, 0.3, 0.2], dtype=torch.float64).sqrt()
+    p2 = p2 / p2.sum()
+    alpha = torch.minimum(p2, torch.tensor([0.2, 0.2, 0.6], dtype=torch.float64)).sum().item()
+    _close(lk_loss(TARGET[:1, :1], DRAFT[:1, :1], _r(0), temperature=2.0).loss, -math.log(alpha))
+    for bad in (-0.5, math.nan, math.inf):
+        with pytest.raises(ValueError, match="temperature must be a finite number >= 0"):
+            lk_loss(TARGET, DRAFT, _r(0, 2), temperature=bad)
+
+
 # --- general properties -----------------------------------------------------
 
 ALL_VARIANTS = [
@@ -240,6 +260,7 @@ ALL_VARIANTS = [
     ("all_reverse", lambda t, d, r: all_reverse_loss(t, d, r, gamma=0.7)),
     ("target_rollout", target_rollout_loss),
     ("lk", lk_loss),
+    ("lk_greedy", lambda t, d, r: lk_loss(t, d, r, temperature=0)),
 ]
 VARIANT_FNS = [fn for _, fn in ALL_VARIANTS]
 VARIANT_IDS = [name for name, _ in ALL_VARIANTS]
@@ -252,7 +273,8 @@ def _random_batch(seed: int = 0, dtype=torch.float64):
     return target, draft, _r(0, 1, 2, 3)
 
 
-@pytest.mark.parametrize("fn", VARIANT_FNS, ids=VARIANT_IDS)
+@pytest.mark.parametrize("fn", [fn for name, fn in ALL_VARIANTS if name != "lk_greedy"],
+                         ids=[name for name in VARIANT_IDS if name != "lk_greedy"])  # one-hot p: p = q is no minimum
 def test_zero_when_p_equals_q(fn):
     target, _, r = _random_batch()
     for draft in (target.clone(), target + 5.0):  # softmax is shift-invariant

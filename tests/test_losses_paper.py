@@ -158,5 +158,10 @@ def test_lk_objective_replays_pooled_over_the_step_and_trains_online_or_as_auto_
     assert out.loss.item() == pytest.approx(union.loss.item(), rel=1e-5) and out.loss.item() > 0
     out.loss.backward()
     assert any(p.grad is not None and p.grad.abs().sum() > 0 for p in drafter.parameters())
+    gen = torch.Generator().manual_seed(4)
+    t, d, r = torch.randn(3, 2, 5, generator=gen), torch.randn(3, 2, 5, generator=gen), torch.tensor([0, 1, 2])
+    greedy = objective_fn(load_config(overrides=["trainer.objective=lk", "trainer.lk_temperature=0"]).trainer)
+    assert greedy(t, d, r).loss.item() == pytest.approx(lk_loss(t, d, r, temperature=0).loss.item(), rel=1e-6)
+    assert greedy(t, d, r).loss.item() != pytest.approx(lk_loss(t, d, r).loss.item(), rel=1e-3)
     assert load_config(overrides=["trainer.auto.weak=lk"]).trainer.auto.weak == "lk"
     assert load_config(overrides=["bootstrap.objective=lk"]).bootstrap.objective == "lk"

@@ -340,6 +340,7 @@ def lk_loss(
     num_accepted: torch.Tensor,  # [num_blocks] int, values in 0..K
     *,
     num_drafted: torch.Tensor | None = None,  # [num_blocks] int K_m in 1..K; None = K
+    temperature: float = 1.0,
 ) -> DraftOPDLoss:
     """LK loss -log alpha (Samarin et al. 2026, arXiv 2602.23881) on the verified trajectory.
 
@@ -348,10 +349,21 @@ def lk_loss(
     vanishes there). The positions are target_rollout's, k <= min(r + 1, K_m): the states the
     verified continuation visits, where a draft token can be accepted at all. With a one-hot
     teacher -log alpha is the cross-entropy of the teacher's token; with p = q it is 0.
+    ``temperature``: the teacher's, p = softmax(target_logits / temperature); 0 = greedy, p one-hot
+    on the target's argmax over the draft vocabulary (ties share it), whose acceptance rate is T=0
+    verification's: the loss is then the cross-entropy of the target's greedy token at each state
+    the drafted prefix reaches.
     ``.accepted``: mean over k <= r; ``.rejected``: mean over position r + 1; ``.loss``: both pooled.
     """
     _check_inputs(target_logits, draft_logits, num_accepted, num_drafted)
+    if not (isinstance(temperature, (int, float)) and math.isfinite(temperature) and temperature >= 0):
+        raise ValueError(f"temperature must be a finite number >= 0, got {temperature!r}")
     acc, first_rej = _masks(num_accepted, draft_logits.shape[1], True, num_drafted)
+    if temperature == 0:  # one-hot on the argmax inside the draft vocabulary (-inf outside it)
+        masked = target_logits.detach().masked_fill(torch.isneginf(draft_logits), float("-inf"))
+        target_logits = torch.zeros_like(masked).masked_fill(masked < masked.amax(-1, keepdim=True), float("-inf"))
+    elif temperature != 1:
+        target_logits = target_logits / temperature
     alpha = acceptance_rate(*_log_probs(target_logits, draft_logits))  # [num_blocks, K]
     nll = -alpha.clamp_min(LK_MIN_ACCEPTANCE).log()  # [num_blocks, K]
     loss = _masked_mean(nll, acc | first_rej)

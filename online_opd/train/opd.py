@@ -65,6 +65,8 @@ def objective_fn(cfg: TrainerConfig, name: str | None = None) -> Callable:
                   "first_rejected_only": cfg.first_rejected_only}
     elif name == "all_reverse":
         kwargs = {"gamma": cfg.gamma}
+    elif name == "lk":
+        kwargs = {"temperature": cfg.lk_temperature}
     return lambda p, q, r, num_drafted=None: loss(p, q, r, num_drafted=num_drafted, **kwargs)
 
 
