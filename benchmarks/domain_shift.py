@@ -4,7 +4,8 @@ Arms, in one run on this machine:
   (a) static     the bootstrap drafter, never updated;
   (b) naive      online training with the target-rollout forward KL (trainer.objective=target_rollout);
   (c) draft_opd  online Draft-OPD (trainer.objective=draft_opd);
-  (d) auto       (only with `--arms ...,auto`) the objective chosen from live acceptance.
+  (d) auto       (only with `--arms ...,auto`) the objective chosen from live acceptance;
+  (e) lk, lk_greedy  (with `--arms`) the LK objective, -log acceptance rate, at teacher T=1 / T=0.
 The online arms each run `online-opd serve` with its Ray trainer for the same number of optimizer
 steps (`--steps`) with the same batch shape: equal trainer compute (their trainer seconds are
 reported too). Traffic: `online-opd loadgen`'s engine on HumanEval *train*-split prompts, greedy,
@@ -95,10 +96,16 @@ class HeldOutTau:
         return pooled_acceptance_length([greedy_blocks(drafter, s) for s in self.seqs])
 
 
+ARM_SETTINGS = {  # --arms names that are not trainer.objective values: (objective, further trainer overrides)
+    "lk_greedy": ("lk", ["trainer.lk_temperature=0"]),  # LK with the target's greedy token as the teacher
+}
+
+
 def run_arm(name: str, objective: str, args, bootstrap_dir: Path, out: Path) -> dict:
     run_dir = out / name
     shutil.rmtree(run_dir, ignore_errors=True)
-    overrides = [f"trainer.objective={objective}", f"trainer.lr={args.lr}", "trainer.warmup_ratio=0.0",
+    trainer_objective, settings = ARM_SETTINGS.get(objective, (objective, []))
+    overrides = [f"trainer.objective={trainer_objective}", *settings, f"trainer.lr={args.lr}", "trainer.warmup_ratio=0.0",
                  f"trainer.seed={args.seed}",
                  f"trainer.sequences_per_step={args.sequences_per_step}",
                  f"trainer.anchors_per_sequence={args.anchors}", f"online.max_steps={args.steps}",
@@ -235,7 +242,8 @@ def main() -> int:
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--eval-prompts", type=int, default=32)
     p.add_argument("--arms", default="target_rollout,draft_opd",
-                   help="comma-separated trainer.objective values, one online arm each (auto too)")
+                   help="comma-separated trainer.objective values, one online arm each (auto too), or "
+                        f"{', '.join(ARM_SETTINGS)}")
     p.add_argument("--seed", type=int, default=0, help="trainer.seed of every online arm")
     p.add_argument("--speculation", default="always", choices=["always", "auto"],
                    help="serve.speculation: always = a block at every step, every verified block learnable "
