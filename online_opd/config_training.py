@@ -24,8 +24,9 @@ class AutoObjectiveConfig(StrictModel):
     verified blocks, with hysteresis (online_opd/opd/objective_schedule.py)."""
 
     weak: ReplayObjective = Field(
-        "target_rollout", description="Objective while the drafter's blocks mostly fail at their first token "
-                                      "(and at the start).")
+        "lk", description="Objective while the drafter's blocks mostly fail at their first token (and at the "
+                          "start): the LK loss, which beat target-rollout KL there (docs/draft_opd_vs_paper.md "
+                          "section 7).")
     strong: ReplayObjective = Field(
         "draft_opd", description="Objective once the position-1 acceptance reaches up_at.")
     up_at: float = Field(0.6, gt=0, le=1, description="Position-1 acceptance rate at or above which the "
@@ -64,7 +65,7 @@ class TrainerConfig(StrictModel):
 
     objective: Literal["sft", "draft_opd", "all_forward", "all_reverse", "target_rollout", "lk", "auto"] = Field(
         "auto", description="Training objective: auto (chosen from live acceptance between trainer.auto.weak "
-                            "and strong: target-rollout KL, then Draft-OPD), Draft-OPD, its ablations, the "
+                            "and strong: LK, then Draft-OPD), Draft-OPD, its ablations, the "
                             "LK loss -log acceptance rate on the verified trajectory (lk), or DFlash-style SFT.")
     auto: AutoObjectiveConfig = Field(
         default_factory=AutoObjectiveConfig, description="The objective schedule of objective: auto.")

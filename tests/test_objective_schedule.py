@@ -214,9 +214,9 @@ def test_observe_refuses_what_is_no_accepted_count(bad):
 
 def test_config_validates_the_auto_section(tmp_path):
     cfg = load_config("configs/default.yaml", ["trainer.objective=auto"])
-    assert cfg.trainer.auto.weak == "target_rollout" and cfg.trainer.auto.strong == "draft_opd"
+    assert cfg.trainer.auto.weak == "lk" and cfg.trainer.auto.strong == "draft_opd"
     for overrides, match in [(["trainer.auto.down_at=0.6"], "must be below up_at"),
-                             (["trainer.auto.strong=target_rollout"], "must differ"),
+                             (["trainer.auto.strong=lk"], "must differ"),
                              (["trainer.auto.weak=sft"], "weak"),
                              (["trainer.auto.min_blocks=4096"], "exceeds window_blocks")]:
         with pytest.raises(ConfigError, match=match):
@@ -236,9 +236,9 @@ def test_offline_auto_chooses_once_from_the_records_blocks():
     cfg = TrainerConfig(objective="auto", auto={"min_blocks": 10, "window_blocks": 100})
     weak = [_record(i, [0, 0, 1, 0, 0]) for i in range(4)]  # a1 = 0.2
     strong = [_record(i, [2, 4, 1, 0, 3]) for i in range(4)]  # a1 = 0.8
-    assert offline_objective(cfg, weak, block_size=4) == "target_rollout"
+    assert offline_objective(cfg, weak, block_size=4) == "lk"
     assert offline_objective(cfg, strong, block_size=4) == "draft_opd"
-    assert offline_objective(cfg, strong[:1], block_size=4) == "target_rollout"  # 5 < min_blocks blocks
+    assert offline_objective(cfg, strong[:1], block_size=4) == "lk"  # 5 < min_blocks blocks
     assert offline_objective(TrainerConfig(objective="all_forward"), strong, block_size=4) == "all_forward"
 
 
@@ -255,7 +255,7 @@ def _auto_config(**auto) -> OnlineOPDConfig:
 def test_online_trainer_switches_reports_and_resumes_the_schedule(world, tmp_path):
     paths = setup_run(world, tmp_path)
     trainer = OnlineTrainer(_auto_config(), **paths)
-    assert trainer.stats()["objective"] == "target_rollout"
+    assert trainer.stats()["objective"] == "lk"
     assert trainer.stats()["first_position_acceptance"] is None
     kept = trainer.poll()
     blocks = [b.num_accepted for r in world["records"] for b in r.blocks]
@@ -300,12 +300,12 @@ def test_a_failed_trial_sends_the_trainer_back_to_the_serving_weights(world, tmp
     optimizer = trainer.optimizer
     gate = trainer.gate()  # the untrained candidate scores exactly the serving version's tau: diff 0
     assert gate["status"] == "rejected" and gate["tau_candidate"] == gate["tau_serving"]
-    assert trainer.schedule.current == "target_rollout" and trainer.schedule.switches[-1].reason == "gate"
+    assert trainer.schedule.current == "lk" and trainer.schedule.switches[-1].reason == "gate"
     assert trainer.schedule.up_at_now == pytest.approx(trainer.stats()["first_position_acceptance"] + 0.5)
     assert trainer.optimizer is not optimizer and trainer.stats()["trained_from"] == gate["serving"]
     serving = DrafterRegistry(paths["registry_dir"]).current()
-    assert trainer.objective_name() == "target_rollout" and trainer.stats()["objective_switches"] == 2
-    assert trainer.step()["objective"] == "target_rollout" and serving.version == gate["serving"]
+    assert trainer.objective_name() == "lk" and trainer.stats()["objective_switches"] == 2
+    assert trainer.step()["objective"] == "lk" and serving.version == gate["serving"]
 
 
 def test_online_trainer_with_a_fixed_objective_reports_it(world, tmp_path):
