@@ -107,20 +107,27 @@ def _padded(t: torch.Tensor, width: int) -> torch.Tensor:  # [M, W, vocab] -> [M
     return F.pad(t, (0, 0, 0, width - t.shape[1]))
 
 
+def _replayed_blocks(target, drafter, records):
+    """The blocks ``replay_records`` draws (5 anchors, generator seed 3), replayed record by record:
+    (the per-record batches, their (target logits, draft logits, accepted, drafted) padded to K and
+    concatenated)."""
+    gen = torch.Generator().manual_seed(3)
+    batches = [replay_sequence(target, drafter, torch.tensor(r.tokens), choose_blocks(r, 5, gen)) for r in records]
+    K = drafter.cfg.block_size
+    return batches, (torch.cat([_padded(b.target_logits, K) for b in batches]),
+                     torch.cat([_padded(b.draft_logits, K) for b in batches]),
+                     torch.cat([b.num_accepted for b in batches]), torch.cat([b.num_drafted for b in batches]))
+
+
 def test_replay_records_pools_the_step_or_averages_its_sequences():
     target, drafter, records = _tiny_records()
     objective = objective_fn(TrainerConfig(objective="draft_opd", gamma=0.5))
     got = {pooling: replay_records(target, drafter, records, objective, anchors_per_sequence=5,
                                    generator=torch.Generator().manual_seed(3), pooling=pooling).loss.item()
            for pooling in ("batch", "sequence")}
-    gen = torch.Generator().manual_seed(3)
-    batches = [replay_sequence(target, drafter, torch.tensor(r.tokens), choose_blocks(r, 5, gen)) for r in records]
-    K = drafter.cfg.block_size
+    batches, (logits_p, logits_q, accepted, drafted) = _replayed_blocks(target, drafter, records)
     with torch.no_grad():
-        union = draft_opd_loss(torch.cat([_padded(b.target_logits, K) for b in batches]),
-                               torch.cat([_padded(b.draft_logits, K) for b in batches]),
-                               torch.cat([b.num_accepted for b in batches]), gamma=0.5,
-                               num_drafted=torch.cat([b.num_drafted for b in batches]))
+        union = draft_opd_loss(logits_p, logits_q, accepted, gamma=0.5, num_drafted=drafted)
         per_record = [draft_opd_loss(b.target_logits, b.draft_logits, b.num_accepted, gamma=0.5,
                                      num_drafted=b.num_drafted).loss for b in batches]
     assert union.num_accepted_positions > 0 and union.num_rejected_positions > 0
@@ -146,14 +153,9 @@ def test_lk_objective_replays_pooled_over_the_step_and_trains_online_or_as_auto_
     objective = objective_fn(load_config(overrides=["trainer.objective=lk"]).trainer)
     out = replay_records(target, drafter, records, objective, anchors_per_sequence=5,
                          generator=torch.Generator().manual_seed(3), pooling="batch")
-    gen = torch.Generator().manual_seed(3)
-    batches = [replay_sequence(target, drafter, torch.tensor(r.tokens), choose_blocks(r, 5, gen)) for r in records]
-    K = drafter.cfg.block_size
+    _, (logits_p, logits_q, accepted, drafted) = _replayed_blocks(target, drafter, records)
     with torch.no_grad():
-        union = lk_loss(torch.cat([_padded(b.target_logits, K) for b in batches]),
-                        torch.cat([_padded(b.draft_logits, K) for b in batches]),
-                        torch.cat([b.num_accepted for b in batches]),
-                        num_drafted=torch.cat([b.num_drafted for b in batches]))
+        union = lk_loss(logits_p, logits_q, accepted, num_drafted=drafted)
     assert union.num_accepted_positions + union.num_rejected_positions > 0
     assert out.loss.item() == pytest.approx(union.loss.item(), rel=1e-5) and out.loss.item() > 0
     out.loss.backward()

@@ -179,7 +179,7 @@ def test_run_gates_publishes_and_resumes(world, tmp_path):
     assert gate["n_records"] == final["held_out_pool"] and gate["n_blocks"] > 0
     assert published.metrics["objective"] == "auto" and math.isfinite(published.metrics["train"]["loss"])
     # the tiny drafter's blocks accept their first token 3.7% of the time: auto trains the weak objective
-    assert published.metrics["objective_schedule"]["current"] == "target_rollout"
+    assert published.metrics["objective_schedule"]["current"] == "lk"
     assert published.status == "rejected" and not gate["passed"]
     assert "tau gain lower bound" in published.status_reason and f"<= margin {K}" in published.status_reason
     assert registry.current().version == "v0001"  # a rejected candidate never serves
