@@ -194,7 +194,7 @@ def timeline(arm: dict, tau_of) -> list[dict]:
             version = event["version"]  # for a rollback: the version switched back to
             info = registry.get(version)
             points.append({"t": max(0.0, event["time"] - arm["t0"]), "event": event["event"],
-                           "version": version, "tau_held_out": tau_of(info.path),
+                           "version": version, "step": info.step, "tau_held_out": tau_of(info.path),
                            "gate": (info.metrics or {}).get("gate"), "live": (info.metrics or {}).get("live_check")})
     return points
 

@@ -9,7 +9,10 @@ with itself on different code: each arm is then named `<arm>@<code>`); anything 
 differing setting named. Per arm: the held-out tau of the version serving at the end of
 each seed's run (its last promotion or rollback), its ratio to the static drafter, mean and Student-t 95%
 interval over seeds, trainer steps and keep-up (trained / served tokens per second); per pair of arms:
-the paired difference on the seeds both ran. Prints JSON.
+the paired difference on the seeds both ran, and at equal trainer steps: at each seed S = the fewer final
+steps of the two, each arm's held-out tau of the last version it promoted (or rolled back to) that was
+trained for at most S steps (the timeline's `step`, or for runs before that field the version's manifest
+in the arm's registry when its run folder is still there; the static drafter is step 0). Prints JSON.
 
     python benchmarks/domain_shift_seeds.py runs/ds-s*/domain_shift.json \\
         --json-out benchmarks/results/domain_shift_seeds.json
@@ -43,6 +46,34 @@ def settings(run: dict) -> dict:
     return out
 
 
+def version_step(arm: dict, point: dict) -> int | None:
+    """The trainer step of the version a timeline point switched to: the point's `step`, else the
+    version's manifest under the arm's run folder; None when neither is there."""
+    if point.get("step") is not None:
+        return int(point["step"])
+    if not (arm.get("run_dir") and point.get("version")):
+        return None
+    manifest = Path(arm["run_dir"]) / "registry" / "versions" / point["version"] / "manifest.json"
+    return int(json.loads(manifest.read_text())["step"]) if manifest.is_file() else None
+
+
+def steps_timeline(arm: dict, static_tau: float) -> list[tuple[int, float]] | None:
+    """[(trainer step, held-out tau)] of the versions the arm served in order, from (0, static tau); None
+    when a step is unknown. The first point is the bootstrap drafter itself (its step is the bootstrap's)."""
+    points = [(0, static_tau)]
+    for point in arm["timeline"][1:]:
+        step = version_step(arm, point)
+        if step is None:
+            return None
+        points.append((step, float(point["tau_held_out"])))
+    return points
+
+
+def tau_at_step(points: list[tuple[int, float]], steps: float) -> float:
+    """The held-out tau of the last version served whose trainer step is at most `steps`."""
+    return [tau for step, tau in points if step <= steps][-1]
+
+
 def collect(paths: list[Path], allow_mixed_commits: bool = False,
             by_code: bool = False) -> tuple[dict, dict[str, dict[int, dict]]]:
     """(shared settings, {arm: {seed: figures}}); refuses runs that differ, an arm seen twice at a seed, and
@@ -71,11 +102,26 @@ def collect(paths: list[Path], allow_mixed_commits: bool = False,
             end = arm["timeline"][-1]["tau_held_out"] if arm["timeline"] else run["static_tau"]
             keep_up = arm.get("keep_up") or {}
             arms[name][seed] = {"tau": float(end), "steps": arm.get("trainer_steps"),
+                                "by_step": steps_timeline(arm, float(run["static_tau"])),
                                 "promotions": sum(p["event"] == "promote" for p in arm["timeline"][1:]),
                                 "keep_up": keep_up.get("keep_up"), "source": str(path), "code": commit}
     if shared is None:
         raise SystemExit("no runs given")
     return {**shared, "code": sorted(commits)}, arms
+
+
+def equal_steps(a: dict[int, dict], b: dict[int, dict], seeds: list[int]) -> dict | None:
+    """The pair at each seed's fewer final trainer steps (``tau_at_step``), on the seeds where both arms' version
+    steps are known; None when there are none."""
+    known = [s for s in seeds if a[s]["by_step"] and b[s]["by_step"] and a[s]["steps"] is not None
+             and b[s]["steps"] is not None]
+    if not known:
+        return None
+    steps = {s: min(a[s]["steps"], b[s]["steps"]) for s in known}
+    taus = {s: (tau_at_step(a[s]["by_step"], steps[s]), tau_at_step(b[s]["by_step"], steps[s])) for s in known}
+    return {"seeds": known, "steps": [steps[s] for s in known], "taus": [list(taus[s]) for s in known],
+            "diff": t_interval([ta - tb for ta, tb in taus.values()]),
+            "ratio": t_interval([ta / tb for ta, tb in taus.values()])}
 
 
 def summarise(shared: dict, arms: dict[str, dict[int, dict]]) -> dict:
@@ -95,7 +141,8 @@ def summarise(shared: dict, arms: dict[str, dict[int, dict]]) -> dict:
         if common:
             diffs = [arms[a][s]["tau"] - arms[b][s]["tau"] for s in common]
             pairs[f"{a} - {b}"] = {"seeds": common, "diff": t_interval(diffs),
-                                   "ratio": t_interval([arms[a][s]["tau"] / arms[b][s]["tau"] for s in common])}
+                                   "ratio": t_interval([arms[a][s]["tau"] / arms[b][s]["tau"] for s in common]),
+                                   "equal_steps": equal_steps(arms[a], arms[b], common)}
     return {"settings": shared, "arms": per_arm, "paired": pairs}
 
 

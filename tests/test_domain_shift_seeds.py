@@ -85,3 +85,48 @@ def test_runs_that_differ_in_a_setting_or_repeat_an_arm_are_refused(tmp_path):
         domain_shift_seeds.collect([later, later], by_code=True)
     with pytest.raises(SystemExit, match="no runs"):
         domain_shift_seeds.collect([])
+
+
+def with_steps(data: dict, steps: dict[str, tuple[float, list[int]]]) -> dict:
+    """`data` with each arm's final trainer steps and its timeline points' version steps (after the static)."""
+    for arm in data["arms"]:
+        final, version_steps = steps[arm["name"]]
+        arm["trainer_steps"] = final
+        for point, step in zip(arm["timeline"][1:], version_steps, strict=True):
+            point["step"] = step
+    return data
+
+
+def test_pairs_at_equal_trainer_steps_use_the_versions_each_arm_had_by_the_fewer_steps(tmp_path):
+    # seed 0: lk ran 300 steps (promoted at 50, 200, 280), naive 150 (promoted at 50, 125): at 150 steps
+    # lk had its step-50 version (1.45), naive its step-125 one (1.48)
+    s0 = with_steps(run(0, {"lk": [("promote", 1.45), ("promote", 1.55), ("promote", 1.6)],
+                            "naive": [("promote", 1.42), ("promote", 1.48)]}),
+                    {"lk": (300, [50, 200, 280]), "naive": (150, [50, 125])})
+    # seed 1: a rollback to the step-25 version; naive promoted nothing: the static drafter at step 0
+    s1 = with_steps(run(1, {"lk": [("promote", 1.5), ("promote", 1.44), ("rollback", 1.5)], "naive": []}),
+                    {"lk": (90, [25, 75, 25]), "naive": (120, [])})
+    out = domain_shift_seeds.summarise(*domain_shift_seeds.collect([write(tmp_path, "s0", s0),
+                                                                    write(tmp_path, "s1", s1)]))
+    pair = out["paired"]["lk - naive"]
+    assert pair["diff"]["mean"] == pytest.approx(((1.6 - 1.48) + (1.5 - 1.4)) / 2)  # the final versions
+    equal = pair["equal_steps"]
+    assert equal["seeds"] == [0, 1] and equal["steps"] == [150, 90]
+    assert equal["taus"] == [[1.45, 1.48], [1.5, 1.4]]
+    assert equal["diff"]["mean"] == pytest.approx(((1.45 - 1.48) + (1.5 - 1.4)) / 2)
+    assert equal["ratio"]["mean"] == pytest.approx((1.45 / 1.48 + 1.5 / 1.4) / 2, abs=1e-4)
+
+
+def test_version_steps_come_from_the_registry_for_runs_without_them_and_unknown_steps_drop_the_seed(tmp_path):
+    data = run(0, {"lk": [("promote", 1.5)], "naive": [("promote", 1.45)]})
+    for arm, step in zip(data["arms"], (40, 60), strict=True):
+        arm["run_dir"] = str(tmp_path / arm["name"])
+        arm["timeline"][1]["version"] = "v0002"
+        manifest = tmp_path / arm["name"] / "registry" / "versions" / "v0002" / "manifest.json"
+        manifest.parent.mkdir(parents=True)
+        manifest.write_text(json.dumps({"version": "v0002", "step": step}))
+    paths = [write(tmp_path, "s0", data)]
+    equal = domain_shift_seeds.summarise(*domain_shift_seeds.collect(paths))["paired"]["lk - naive"]["equal_steps"]
+    assert equal["steps"] == [100.0] and equal["taus"] == [[1.5, 1.45]]  # trainer_steps 100 + seed, both arms
+    (tmp_path / "naive" / "registry" / "versions" / "v0002" / "manifest.json").unlink()  # folder gone
+    assert domain_shift_seeds.summarise(*domain_shift_seeds.collect(paths))["paired"]["lk - naive"]["equal_steps"] is None
