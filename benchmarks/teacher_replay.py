@@ -130,7 +130,8 @@ def main() -> None:
         raise SystemExit(f"{args.buffer}: no record whose replayable blocks carry a teacher "
                          "(capture with -o capture.teacher_top_k=N" +
                          (" -o capture.hidden_sample_rate=F)" if args.features else ")"))
-    objective = objective_fn(cfg.trainer, offline_objective(cfg.trainer, records, block_size))  # auto: one choice
+    objective_name = offline_objective(cfg.trainer, records, block_size)  # auto: one choice
+    objective = objective_fn(cfg.trainer, objective_name)
     generator = torch.Generator().manual_seed(args.seed)
     work = []  # (tokens, blocks, trained tokens) per record, the blocks drawn as a step draws them
     for record in records:
@@ -205,7 +206,8 @@ def main() -> None:
 
     result = {
         "benchmark": "teacher_replay",
-        "buffer": str(args.buffer), "drafter": str(args.drafter), "objective": cfg.trainer.objective,
+        "buffer": str(args.buffer), "drafter": str(args.drafter), "objective": objective_name,
+        "objective_configured": cfg.trainer.objective,
         "records": len(work), "blocks": sum(len(b) for _, b, _ in work), "captured_top_k": captured_k,
         "anchors_per_sequence": cfg.trainer.anchors_per_sequence, "repeats": args.repeats,
         "trained_tokens_per_pass": trained // args.repeats,
