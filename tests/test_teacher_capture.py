@@ -67,6 +67,33 @@ def test_blocks_carry_the_top_k_of_their_own_logits_rows(tmp_path):
         assert torch.equal(torch.tensor(block.teacher.token_ids), expected.indices[rows])
         assert torch.allclose(torch.tensor(block.teacher.logprobs), expected.values[rows], atol=1e-6, rtol=0)
     assert cap.stats()["teacher_blocks"] == 2
+    # "c"'s plain step: its one row, at the position before the token it sampled (prompt 0-4, 6 at 5, 9 at 6)
+    plain = records[0].path_teacher
+    assert plain.positions == (len(PROMPT),) and records[0].tokens[len(PROMPT) + 1] == 9
+    assert torch.equal(torch.tensor(plain.rows.token_ids), expected.indices[5:6])
+    assert torch.allclose(torch.tensor(plain.rows.logprobs), expected.values[5:6], atol=1e-6, rtol=0)
+    assert records[2].path_teacher is None and cap.stats()["path_teacher_rows"] == 1
+
+
+def test_plain_steps_keep_their_rows_by_position_and_only_for_kept_tokens(tmp_path):
+    """Prefill (row of the last prompt token), two plain steps, a discarded sample (no row), then a stop
+    token: the row that sampled a token after the stop is left out with the token."""
+    cap = Capture(CaptureSettings(buffer_dir=str(tmp_path), teacher_top_k=3, flush_interval_s=0.05))
+    request = new_request("a")
+    request.sampling_params.stop_token_ids = [8]
+    schedule(cap, new=[request])
+    rows = torch.randn(5, VOCAB, generator=torch.Generator().manual_seed(1))
+    meta = SimpleNamespace(num_draft_tokens=[0], draft_token_ids=torch.zeros(0, dtype=torch.long))
+    batch = SimpleNamespace(req_ids=["a"], num_computed_tokens_cpu=np.array([0]))
+    for j, sampled in enumerate(([6], [7], [], [8], [9])):
+        cap.on_output(cap.snapshot_step(batch, meta, rows[j:j + 1]), ["a"], [sampled])
+    schedule(cap, finished=["a"])
+    cap.close()
+    [record] = BufferReader(tmp_path).iter_records()
+    assert record.tokens == tuple(PROMPT) + (6, 7, 8) and not record.blocks
+    expected = torch.log_softmax(rows, dim=-1).topk(3, dim=-1)
+    assert record.path_teacher.positions == (4, 5, 6)  # the rows that sampled 6, 7 and 8
+    assert torch.equal(torch.tensor(record.path_teacher.rows.token_ids), expected.indices[[0, 1, 3]])
 
 
 def test_teacher_capture_off_or_unsampled_leaves_blocks_without_it(tmp_path):
@@ -109,7 +136,9 @@ def test_captured_top_k_equals_an_hf_forward_of_the_target(tmp_path):
     block's top-k ids and log-probabilities at its drafted positions and bonus position equal the
     HF target's log_softmax over the block's drafted prefix (rejected drafts included), and every record's
     captured features (capture.hidden_sample_rate) equal the target's aux hidden states on its tokens
-    (positions start..T-2: no rejected draft's row left behind)."""
+    (positions start..T-2: no rejected draft's row left behind). Plain steps (K = 0 above batch size 1):
+    each row kept at position p (SequenceRecord.path_teacher) equals the HF log_softmax at p over the
+    record's tokens, and at T = 0 its top id is the record's token p + 1."""
     from online_opd.models.target import ensure_embedded_target
 
     target = ensure_embedded_target()
@@ -130,3 +159,8 @@ def test_captured_top_k_equals_an_hf_forward_of_the_target(tmp_path):
         assert figures["partial_blocks"] > 0, (temperature, figures)  # rows after a rejection too
         assert figures["id_mismatches"] == 0, (temperature, figures)
         assert figures["max_abs_diff"] < 1e-3, (temperature, figures)
+        # plain steps (K = 0 above batch size 1): their rows along the record's own tokens
+        assert figures["path_records"] >= 6 and figures["path_rows"] >= 50, (temperature, figures)
+        assert figures["path_id_mismatches"] == 0 and figures["path_greedy_mismatches"] == 0, (temperature, figures)
+        assert figures["path_max_abs_diff"] < 1e-3, (temperature, figures)
+    assert result["capture"]["path_teacher_rows"] == sum(f["path_rows"] for f in result["per_temperature"].values())

@@ -64,6 +64,12 @@ teacher p_{m,k} of Draft-OPD. They are read before the rejection sampler
 distribution whatever the request's temperature; the block carries them as
 ``BlockRecord.teacher`` and replay then needs no target forward over the
 drafted positions (online_opd/opd/replay.py). Same host copy as the draft ids.
+A step that verifies no block for such a request (a plain step: K = 0, or its
+prefill) has one logits row for it, the distribution its one token is sampled
+from: its top-k is kept too, at the position before that token, and the record
+carries them as ``SequenceRecord.path_teacher``. With them an objective that
+reads positions k <= r + 1 only replays simulated blocks on records served
+without speculation with no target forward (online_opd/traces/target_signal.py).
 
 The target's features (``hidden_sample_rate`` > 0, DFlash drafters): a share of the
 teacher-carrying requests also keep the aux hidden states the drafter reads
@@ -89,7 +95,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from online_opd.opd.replay import top_k_logprobs
 from online_opd.traces.records import BlockRecord, SequenceRecord
-from online_opd.traces.target_signal import TeacherTopK
+from online_opd.traces.target_signal import PathTeacher, TeacherTopK
 from online_opd.traces.writer import BufferWriter
 from vllm_patches import draft_trim, ngram_fallback
 from vllm_patches.capture_features import HIDDEN_MAX_BYTES, join_hidden
@@ -176,6 +182,8 @@ class _Tracked:
     preemptions_at_last_block: int = 0
     num_plain_steps: int = 0  # steps that gave it a token without verifying a block, since its last block
     teacher: bool = False  # its blocks carry the verifier's top-k log-probabilities (TeacherTopK)
+    # with ``teacher``: its plain steps' rows, by the position whose next token they sampled (PathTeacher)
+    path_rows: dict[int, tuple[tuple[int, ...], tuple[float, ...]]] = field(default_factory=dict)
     hidden: list | None = None  # (positions, rows, host-copy events) per step: the target's features; None = off
     hidden_bytes: int = 0
 
@@ -222,15 +230,19 @@ class _Step:
     draft_ids: torch.Tensor  # flat host tensor (may still be in flight)
     ready: Any  # a device event, or None when the copy is already done
     top_k: _TopK | None = None
+    plain: dict[str, int] = field(default_factory=dict)  # req_id -> its row in the top-k (a plain step)
 
-    def drafts(self) -> dict[str, tuple[_Drafted, list[int], TeacherTopK | None]]:
+    def drafts(self) -> tuple[dict[str, tuple[_Drafted, list[int], TeacherTopK | None]],
+                              dict[str, tuple[tuple[int, ...], tuple[float, ...]]]]:
+        """(the blocks with their ids and teacher, the plain steps' finite top-k rows by request)."""
         for event in (self.ready, *(self.top_k.ready if self.top_k is not None else ())):
             if event is not None:
                 event.synchronize()
-        flat = self.draft_ids.tolist()
+        flat = self.draft_ids.tolist() if self.draft_ids is not None else []
         ids = self.top_k.ids.tolist() if self.top_k is not None else []
         logprobs = self.top_k.logprobs.tolist() if self.top_k is not None else []
         finite = self.top_k.logprobs.isfinite().all(dim=1).tolist() if self.top_k is not None else []
+        plain = {rid: (tuple(ids[row]), tuple(logprobs[row])) for rid, row in self.plain.items() if finite[row]}
 
         def teacher(b: _Drafted) -> TeacherTopK | None:
             if b.teacher_row is None:
@@ -240,7 +252,7 @@ class _Step:
                 return None
             return TeacherTopK(tuple(map(tuple, ids[rows])), tuple(map(tuple, logprobs[rows])))
 
-        return {rid: (b, flat[b.offset:b.offset + b.count], teacher(b)) for rid, b in self.blocks.items()}
+        return {rid: (b, flat[b.offset:b.offset + b.count], teacher(b)) for rid, b in self.blocks.items()}, plain
 
 
 class Capture:
@@ -256,8 +268,8 @@ class Capture:
         self._writer: BufferWriter | None = None
         self._errors_logged: set[str] = set()
         self.counters = {"requests_seen": 0, "captured": 0, "dropped": 0, "opted_out": 0,
-                         "not_sampled": 0, "blocks": 0, "teacher_blocks": 0, "hidden_records": 0,
-                         "hidden_rows": 0, "hidden_over_limit": 0, "errors": 0}
+                         "not_sampled": 0, "blocks": 0, "teacher_blocks": 0, "path_teacher_rows": 0,
+                         "hidden_records": 0, "hidden_rows": 0, "hidden_over_limit": 0, "errors": 0}
         self.proposing: list[str] | None = None  # the step's request ids while its drafter proposes
 
     # -- engine events -------------------------------------------------------------------------
@@ -286,11 +298,15 @@ class Capture:
             if not self._tracked:
                 return None
             blocks: dict[str, _Drafted] = {}
+            plain: dict[str, int] = {}  # teacher-tracked requests without a block: their row in ``rows``
             offset = row = 0  # into the flat draft ids; into the logits rows (n + 1 per request)
-            rows: list[int] = []  # logits rows of the teacher-tracked blocks
+            rows: list[int] = []  # logits rows of the teacher-tracked blocks and plain steps
             computed = input_batch.num_computed_tokens_cpu
             for i, (rid, n) in enumerate(zip(input_batch.req_ids, metadata.num_draft_tokens)):
-                if n > 0 and (t := self._tracked.get(rid)) is not None:
+                if n == 0 and logits is not None and (t := self._tracked.get(rid)) is not None and t.teacher:
+                    plain[rid] = len(rows)
+                    rows.append(row)
+                elif n > 0 and (t := self._tracked.get(rid)) is not None:
                     width = draft_trim.drafted_width(rid)
                     teacher_row = None
                     if t.teacher and logits is not None:
@@ -301,9 +317,9 @@ class Capture:
                                            width if width is not None and width > n else None, teacher_row)
                 offset += n
                 row += n + 1
-        if not blocks:
+        if not blocks and not plain:
             return None
-        draft_ids, ready = _to_host(metadata.draft_token_ids)
+        draft_ids, ready = _to_host(metadata.draft_token_ids) if blocks else (None, None)
         top_k = None
         if rows:
             selected = logits if len(rows) == logits.shape[0] else \
@@ -311,7 +327,7 @@ class Capture:
             ids, logprobs = top_k_logprobs(selected, self.settings.teacher_top_k)
             (ids, ids_ready), (logprobs, logprobs_ready) = _to_host(ids), _to_host(logprobs)
             top_k = _TopK(ids, logprobs, (ids_ready, logprobs_ready))
-        return _Step(blocks, draft_ids, ready, top_k)
+        return _Step(blocks, draft_ids, ready, top_k, plain)
 
     def on_context(self, req_ids: list[str], positions: torch.Tensor, query_start_loc: torch.Tensor,
                    hidden: torch.Tensor) -> None:
@@ -338,7 +354,7 @@ class Capture:
 
     def on_output(self, step: _Step | None, req_ids: list[str], sampled: list[list[int]]) -> None:
         """Append a step's sampled tokens and verified blocks to the tracked requests."""
-        drafts = step.drafts() if step is not None else {}
+        drafts, plain = step.drafts() if step is not None else ({}, {})
         with self._lock:
             for rid, tokens in zip(req_ids, sampled):
                 t = self._tracked.get(rid)
@@ -349,6 +365,8 @@ class Capture:
                     t.append_block(block, ids, len(tokens) - 1, teacher)
                 else:  # a plain step: K = 0 for this request, or no speculation in the step at all
                     t.num_plain_steps += 1
+                    if rid in plain and len(tokens) == 1:  # the row its one token was sampled from
+                        t.path_rows[len(t.prompt) + len(t.outputs) - 1] = plain[rid]
                 t.outputs.extend(tokens)
 
     def set_version(self, version: str, is_cache_reset: bool = False) -> int:
@@ -426,16 +444,22 @@ class Capture:
                 hidden = join_hidden(t.hidden, len(tokens) - 1)
             except Exception as exc:
                 self.error("join_hidden", exc)
+        positions = sorted(p for p in t.path_rows if p <= len(tokens) - 2)
+        path_teacher = PathTeacher(tuple(positions), TeacherTopK(
+            tuple(t.path_rows[p][0] for p in positions), tuple(t.path_rows[p][1] for p in positions))) \
+            if positions else None
         record = SequenceRecord(
             record_id=uuid.uuid4().hex, model_id=self.settings.model_id,
             drafter_version=blocks[0].drafter_version if blocks else t.version,
             temperature=t.temperature, top_p=t.top_p, top_k=t.top_k, tokens=tuple(tokens),
             prompt_len=len(t.prompt), blocks=blocks, events=tuple(t.events), captured_at=time.time(),
-            replica=self.settings.replica or self._get_writer().writer_id, hidden=hidden)
+            replica=self.settings.replica or self._get_writer().writer_id, hidden=hidden,
+            path_teacher=path_teacher)
         if self._get_writer().submit(record):
             self.counters["captured"] += 1
             self.counters["blocks"] += len(blocks)
             self.counters["teacher_blocks"] += sum(b.teacher is not None for b in blocks)
+            self.counters["path_teacher_rows"] += len(positions)
             if hidden is not None:
                 self.counters["hidden_records"] += 1
                 self.counters["hidden_rows"] += hidden.num_rows

@@ -116,7 +116,7 @@ def read_trainer_stats_file(path: str | Path, stale_s: float = TRAINER_STALE_S) 
 
 #: capture and writer counters: summed over engines (data parallelism runs one capture per engine)
 _SUMMED = ("requests_seen", "captured", "dropped", "opted_out", "not_sampled", "blocks", "teacher_blocks",
-           "hidden_records", "hidden_rows", "hidden_over_limit", "errors", "in_flight", "submitted",
+           "path_teacher_rows", "hidden_records", "hidden_rows", "hidden_over_limit", "errors", "in_flight", "submitted",
            "written_records", "written_segments", "write_errors", "held", "queued")
 #: figures of the shared buffer folder each writer tallies whole: the largest is the freshest
 _LARGEST = ("buffer_bytes", "buffer_segments")

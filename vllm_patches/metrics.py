@@ -39,6 +39,8 @@ CAPTURE_COUNTERS = {
     "blocks": ("blocks_captured", "Verified draft blocks in captured records."),
     "teacher_blocks": ("teacher_blocks_captured", "Captured blocks carrying the verifier's top-k log-probabilities "
                                                   "(capture.teacher_top_k)."),
+    "path_teacher_rows": ("path_teacher_rows_captured", "Plain-step rows of the verifier's top-k log-probabilities "
+                                                        "in captured records (SequenceRecord.path_teacher)."),
     "hidden_records": ("hidden_records_captured", "Captured records carrying the target's aux hidden states "
                                                   "(capture.hidden_sample_rate)."),
     "hidden_over_limit": ("hidden_records_over_limit", "Requests that stopped keeping the target's aux hidden "

@@ -62,6 +62,15 @@ captured log-probabilities, and the rest of the mass, 1 - their sum (floored at
   (cosine 0.73 against 0.89 at k = 32, gradient norm 0.57x against 1.01x:
   benchmarks/teacher_replay.py, README "Teacher signal"). Kept for comparison.
 
+The teacher along the sequence. An objective that reads positions k <= r + 1
+only (``losses.PATH_ONLY``) needs p_{m,k} only where d_<k are the sequence's own
+tokens: the target's next-token row at position a_m + k - 1 of the sequence.
+``path_block_teacher`` builds a block's teacher from such rows (``records.path_rows``:
+the plain steps' captured rows and the logged blocks' on-path ones), repeating the
+last on-path row in the rows past it, which those objectives never read. A
+record served mostly without speculation replays on simulated blocks
+(opd/rollout.py) with no target forward at all that way.
+
 ``teacher_logits`` and ``teacher_truncation`` (the uniform rebuild against the
 full distribution) serve tests and that benchmark. Such a block appends nothing
 to the packed forward. When every block carries it, the
@@ -170,6 +179,22 @@ def _reconstruct(
         out = fill[:, None].expand(num_rows, vocab_size).contiguous()  # [R, vocab]
     out.scatter_(1, ids, logprobs.float())
     return torch.log_softmax(out, dim=-1)
+
+
+def path_block_teacher(block: BlockRecord, rows: dict[int, tuple[tuple[int, ...], tuple[float, ...]]],
+                       ) -> TeacherTopK | None:
+    """A teacher for ``block`` (a, d, r) from the target's rows along the sequence (``records.path_rows``):
+    row j <= min(r, K_m - 1) (and the bonus row K_m when r = K_m) is the row of position a + j; the rows
+    after them repeat the last one. Only for objectives that read positions k <= r + 1 only
+    (``losses.PATH_ONLY``): the repeated rows are not the target's distribution there. None when a row
+    on the path is missing."""
+    n, r = len(block.draft_tokens), block.num_accepted
+    on_path = [rows.get(block.anchor + j) for j in range(min(r, n - 1) + 1)]
+    if any(row is None for row in on_path):
+        return None
+    bonus = rows.get(block.anchor + n) if r == n else None
+    table = on_path + [on_path[-1]] * (n - len(on_path)) + [bonus or on_path[-1]]
+    return TeacherTopK(tuple(ids for ids, _ in table), tuple(lps for _, lps in table))
 
 
 def teacher_logits(

@@ -88,9 +88,14 @@ SEGMENT_SCHEMA = pa.schema([
     ("hidden_width", pa.int32()),
     ("hidden_dtype", pa.string()),
     ("hidden_data", pa.large_binary()),
+    # SequenceRecord.path_teacher (PathTeacher): null when not captured; absent in older segments (null)
+    ("path_teacher_positions", pa.list_(pa.int32())),
+    ("path_teacher_ids", pa.list_(pa.list_(pa.int32()))),
+    ("path_teacher_logprobs", pa.list_(pa.list_(pa.float32()))),
 ])
 _HIDDEN_COLUMNS = ("hidden_start", "hidden_width", "hidden_dtype", "hidden_data")
-_OPTIONAL_COLUMNS = frozenset({"replica", *_HIDDEN_COLUMNS})
+_PATH_TEACHER_COLUMNS = ("path_teacher_positions", "path_teacher_ids", "path_teacher_logprobs")
+_OPTIONAL_COLUMNS = frozenset({"replica", *_HIDDEN_COLUMNS, *_PATH_TEACHER_COLUMNS})
 
 _SEGMENT_RE = re.compile(r"^seg-(\d{13})-([A-Za-z0-9_]{1,32})-(\d{6})-([0-9a-f]{32})\.parquet$")
 _STALE_TMP_S = 3600.0  # a .tmp this old belongs to a writer that died mid-write
@@ -159,6 +164,10 @@ def encode_segment(records: Iterable[SequenceRecord]) -> bytes:
         "replica": [r.replica for r in records],
         **{f"hidden_{name}": [None if r.hidden is None else getattr(r.hidden, name) for r in records]
            for name in ("start", "width", "dtype", "data")},
+        **{column: [None if r.path_teacher is None else value(r.path_teacher) for r in records]
+           for column, value in (("path_teacher_positions", lambda t: list(t.positions)),
+                                 ("path_teacher_ids", lambda t: t.rows.to_dict()["token_ids"]),
+                                 ("path_teacher_logprobs", lambda t: t.rows.to_dict()["logprobs"]))},
     }
     table = pa.Table.from_pydict(columns, schema=SEGMENT_SCHEMA)
     sink = io.BytesIO()
@@ -178,6 +187,9 @@ def decode_segment(data: bytes) -> list[SequenceRecord]:
         hidden = {name.removeprefix("hidden_"): row.pop(name, None) for name in _HIDDEN_COLUMNS}
         if hidden["data"] is not None:
             row["hidden"] = hidden  # SequenceRecord.from_dict validates it
+        path = [row.pop(name, None) for name in _PATH_TEACHER_COLUMNS]
+        if any(column is not None for column in path):  # one without the others: from_dict's error
+            row["path_teacher"] = {"positions": path[0], "token_ids": path[1], "logprobs": path[2]}
         if isinstance(row.get("blocks"), list):
             row["blocks"] = [_block_dict(b) if isinstance(b, dict) else b for b in row["blocks"]]
         records.append(SequenceRecord.from_dict(row))  # validates every field

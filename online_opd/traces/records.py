@@ -73,7 +73,7 @@ from online_opd.traces.fields import (
     str_field,
     token_tuple,
 )
-from online_opd.traces.target_signal import TargetHidden, TeacherTopK
+from online_opd.traces.target_signal import PathTeacher, TargetHidden, TeacherTopK
 
 DRAFTER, NGRAM = "drafter", "ngram"  # BlockRecord.proposer (speculation/hybrid.py uses the same names)
 PROPOSERS = (DRAFTER, NGRAM)
@@ -192,11 +192,17 @@ class SequenceRecord:
     # the target's aux hidden states at positions hidden.start .. len(tokens) - 2 (TargetHidden); None = not
     # captured: replay recomputes them with a target forward
     hidden: TargetHidden | None = None
+    # the verifier's top-k rows of the steps that verified no block for it, at the positions whose next token
+    # they sampled (PathTeacher); None = not captured
+    path_teacher: PathTeacher | None = None
 
     def __post_init__(self) -> None:
         if self.hidden is not None and self.hidden.end > len(self.tokens) - 1:
             raise ValueError(f"hidden rows reach position {self.hidden.end - 1}; a record of {len(self.tokens)} "
                              f"tokens has features up to position {len(self.tokens) - 2}")
+        if self.path_teacher is not None and self.path_teacher.positions[-1] > len(self.tokens) - 2:
+            raise ValueError(f"path_teacher has a row at position {self.path_teacher.positions[-1]}; a record of "
+                             f"{len(self.tokens)} tokens has next-token rows up to position {len(self.tokens) - 2}")
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -213,6 +219,7 @@ class SequenceRecord:
             "captured_at": self.captured_at,
             "replica": self.replica,
             **({"hidden": self.hidden.to_dict()} if self.hidden is not None else {}),
+            **({"path_teacher": self.path_teacher.to_dict()} if self.path_teacher is not None else {}),
         }
 
     @classmethod
@@ -236,6 +243,7 @@ class SequenceRecord:
             captured_at=optional_float(data, "captured_at"),
             replica=optional_str(data, "replica"),
             hidden=None if data.get("hidden") is None else TargetHidden.from_dict(data["hidden"]),
+            path_teacher=None if data.get("path_teacher") is None else PathTeacher.from_dict(data["path_teacher"]),
         )
 
 
@@ -262,6 +270,29 @@ def pure_blocks_by_version(record: SequenceRecord) -> dict[str, list[BlockRecord
             version = record.drafter_version if block.drafter_version is None else block.drafter_version
             out.setdefault(version, []).append(block)
     return out
+
+
+def path_rows(record: SequenceRecord) -> dict[int, tuple[tuple[int, ...], tuple[float, ...]]]:
+    """The target's captured top-k next-token rows along the record's own tokens, by position p (the row
+    of p is p(. | tokens[:p + 1])): the plain steps' (``SequenceRecord.path_teacher``) and those of the
+    logged blocks' teachers that lie on the sequence: a block (a, d, r) verified row j at a + j
+    conditioned on d_<=j, which are the sequence's own tokens for j <= r (its bonus row too when every
+    draft was accepted). Rows of one k only: the plain steps' k, else the first teacher's."""
+    rows: dict[int, tuple[tuple[int, ...], tuple[float, ...]]] = {}
+    last = len(record.tokens) - 2
+    k = record.path_teacher.rows.top_k if record.path_teacher is not None else None
+    for block in record.blocks:
+        teacher = block.teacher
+        if teacher is None or (k is not None and teacher.top_k != k):
+            continue
+        k = teacher.top_k
+        for j in range(min(block.num_accepted, len(block.draft_tokens)) + 1):  # the bonus row when r = K_m
+            if block.anchor + j <= last:
+                rows[block.anchor + j] = (teacher.token_ids[j], teacher.logprobs[j])
+    if record.path_teacher is not None:
+        teacher = record.path_teacher.rows
+        rows.update(zip(record.path_teacher.positions, zip(teacher.token_ids, teacher.logprobs)))
+    return rows
 
 
 def check_fidelity(record: SequenceRecord) -> list[str]:

@@ -15,6 +15,16 @@ it, the rows a DFlash drafter reads as its context, for the sequence positions
 positions below ``start`` came from the prefix cache or fell in a step whose rows
 were not kept). With them and every replayed block's teacher, replay runs no
 target forward past ``start`` (online_opd/opd/replay.py).
+
+The teacher on the plain steps. A teacher-carrying record may also carry
+``SequenceRecord.path_teacher`` (``PathTeacher``): the same top-k rows for the
+steps that verified no block for it (a plain step, K = 0: the target's one row
+per request), at the sequence position whose next token the step sampled. With
+the logged blocks' rows that lie on the sequence (``path_rows``) they give the
+target's distribution along the record's own tokens, which is all an objective
+reading positions k <= r + 1 only needs (LK, target-rollout KL): a record served
+mostly without speculation then replays on simulated blocks with no target
+forward at all (online_opd/opd/replay.py ``path_block_teacher``).
 """
 
 from __future__ import annotations
@@ -82,6 +92,39 @@ class TeacherTopK:
         ``tolist()``), validated as ``from_dict``. A float32 tensor's values are exact Python floats, so they
         round-trip unchanged through JSON and the buffer's float32 column."""
         return cls.from_dict({"token_ids": token_ids.tolist(), "logprobs": logprobs.tolist()}, where)
+
+
+@dataclass(frozen=True)
+class PathTeacher:
+    """The target's top-k next-token log-probabilities at positions of the record's own sequence.
+
+    Row i is p(. | tokens[:positions[i] + 1]), the distribution the target sampled token
+    ``positions[i] + 1`` from in a step that verified no block for the request (raw logits at
+    temperature 1, as ``TeacherTopK``'s rows). Positions strictly increase; the record bounds them
+    (``SequenceRecord``: at most T - 2)."""
+
+    positions: tuple[int, ...]
+    rows: TeacherTopK  # [len(positions)][k]
+
+    def __post_init__(self) -> None:
+        if len(self.positions) != len(self.rows.token_ids) or not self.positions:
+            raise ValueError(f"path_teacher: {len(self.positions)} positions for {len(self.rows.token_ids)} rows "
+                             "(one row per position, at least one)")
+        if not all(is_int(p) and p >= 0 for p in self.positions) or \
+                any(b <= a for a, b in zip(self.positions, self.positions[1:])):
+            raise ValueError("path_teacher.positions must be strictly increasing ints >= 0")
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"positions": list(self.positions), **self.rows.to_dict()}
+
+    @classmethod
+    def from_dict(cls, data: Any, where: str = "record.path_teacher") -> "PathTeacher":
+        """Parse ``to_dict``'s dict; ValueError names the bad field."""
+        data = require_dict(data, where)
+        positions = required_field(data, "positions", where)
+        if not isinstance(positions, (list, tuple)):
+            raise ValueError(f"{where}.positions must be a list, got {type(positions).__name__}")
+        return cls(tuple(positions), TeacherTopK.from_dict(data, where))
 
 
 HIDDEN_DTYPES = {"bfloat16": 2, "float16": 2, "float32": 4}  # TargetHidden.dtype -> bytes per value

@@ -20,11 +20,11 @@ import torch
 
 from online_opd.config import TrainerConfig
 from online_opd.files import atomic_write_text
-from online_opd.opd.losses import DraftOPDLoss, get_loss, pool_losses
+from online_opd.opd.losses import PATH_ONLY, DraftOPDLoss, get_loss, pool_losses
 from online_opd.opd.objective_schedule import ObjectiveSchedule
-from online_opd.opd.replay import replay_sequence
+from online_opd.opd.replay import path_block_teacher, replay_sequence
 from online_opd.opd.rollout import simulated_record
-from online_opd.traces.records import BlockRecord, SequenceRecord
+from online_opd.traces.records import BlockRecord, SequenceRecord, path_rows
 from online_opd.train import distributed as dp
 
 RECORD_GLOB = "*.jsonl"
@@ -67,7 +67,13 @@ def objective_fn(cfg: TrainerConfig, name: str | None = None) -> Callable:
         kwargs = {"gamma": cfg.gamma}
     elif name == "lk":
         kwargs = {"temperature": cfg.lk_temperature}
-    return lambda p, q, r, num_drafted=None: loss(p, q, r, num_drafted=num_drafted, **kwargs)
+
+    def objective(p, q, r, num_drafted=None):
+        return loss(p, q, r, num_drafted=num_drafted, **kwargs)
+
+    # reads positions k <= r + 1 only: replay may take its teacher from the rows along the sequence
+    objective.path_only = name in PATH_ONLY or (name == "draft_opd" and cfg.first_rejected_only)
+    return objective
 
 
 def objective_schedule(cfg: TrainerConfig) -> ObjectiveSchedule | None:
@@ -154,13 +160,19 @@ def replay_records(target, drafter, records: list[SequenceRecord], objective: Ca
     rank; each rank draws the blocks of all of them (so the generator stays in step) and replays its
     own slice. ``use_teacher``: blocks that carry the verifier's captured top-k (BlockRecord.teacher) take
     their target rows from it, and a record's captured features (SequenceRecord.hidden) replace the
-    target forward where every block does (replay.py); False recomputes every block."""
+    target forward where every block does (replay.py); False recomputes every block. With an objective
+    that reads positions k <= r + 1 only (``objective.path_only``, set by ``objective_fn``) a block
+    without its own teacher takes one from the record's rows along its tokens where they cover it
+    (``replay.path_block_teacher``)."""
     if pooling not in POOLINGS:
         raise ValueError(f"pooling must be one of {POOLINGS}, got {pooling!r}")
     chosen = [choose_blocks(record, anchors_per_sequence, generator) for record in records]
     lo, hi = dp.shard_bounds(len(records))
     outs, num_tokens = [], []
+    path_only = use_teacher and getattr(objective, "path_only", False)
     for record, blocks in zip(records[lo:hi], chosen[lo:hi]):
+        if path_only:
+            blocks = with_path_teachers(record, blocks)
         end = max(b.anchor for b in blocks) + 1  # later tokens are never read
         tokens = torch.tensor(record.tokens[:end], dtype=torch.int64, device=device)
         batch = replay_sequence(target, drafter, tokens, blocks, use_teacher=use_teacher,
@@ -171,6 +183,20 @@ def replay_records(target, drafter, records: list[SequenceRecord], objective: Ca
            else _pool_over_batch(outs, num_tokens, device))
     every = [b for blocks in chosen for b in blocks]
     return dataclasses.replace(out, num_blocks=len(every), block_tokens=sum(b.num_accepted + 1 for b in every))
+
+
+def with_path_teachers(record: SequenceRecord, blocks: list[BlockRecord]) -> list[BlockRecord]:
+    """``blocks`` where each one without a teacher takes ``replay.path_block_teacher``'s from the record's
+    rows along its tokens (when they cover it): for objectives reading positions k <= r + 1 only."""
+    if all(b.teacher is not None for b in blocks) or (
+            record.path_teacher is None and not any(b.teacher is not None for b in record.blocks)):
+        return blocks
+    rows = path_rows(record)
+    out = []
+    for block in blocks:
+        teacher = block.teacher or path_block_teacher(block, rows)
+        out.append(block if teacher is block.teacher else dataclasses.replace(block, teacher=teacher))
+    return out
 
 
 def _mean_over_records(outs: list[DraftOPDLoss], num_tokens: list[int], num_records: int,

@@ -14,6 +14,12 @@ d_1..d_n: HF logits at rows a..a+n of x_<=a + d_1..d_n (n drafted positions and 
 position), log_softmax in float32, compared id by id with the captured top-k. The drafter is
 vllm_parity_check's (a few Adam steps on the target's continuation of one prompt), so some drafts are
 accepted and others rejected: a rejected draft's feature row must be replaced by its position's final one.
+
+Plain steps. The engine serves K = 4 at batch size 1 and K = 0 above it (vLLM's
+``num_speculative_tokens_per_batch_size``): each temperature runs the prompts once as one batch (plain
+steps until one request is left) and once one by one (drafted blocks). Every record's plain-step rows
+(``SequenceRecord.path_teacher``, position p: the row its token p + 1 was sampled from) are checked
+against the HF log_softmax at p over the record's own tokens, and at T = 0 their top id against the token.
 """
 
 from __future__ import annotations
@@ -71,12 +77,14 @@ def main(target: str, out_dir: str) -> None:
     overfit(drafter, target_model, chat_prompt_ids(tokenizer, [PROMPT])[0])
     ckpt = save_drafter(drafter, out / "drafter")
     layer_ids = tuple(drafter.target_layer_ids)
-    llm = make_llm(target, dtype="float32", max_model_len=512, drafter=ckpt, num_speculative_tokens=K,
-                   method="dflash")
+    llm = make_llm(target, dtype="float32", max_model_len=512, speculative_config={
+        "method": "dflash", "model": str(ckpt), "num_speculative_tokens": K,
+        "num_speculative_tokens_per_batch_size": [[1, 1, K], [2, 64, 0]]})
     temperatures = {}
     for temperature in (0.0, 0.8):
-        for g in generate(llm, prompts, max_tokens=MAX_TOKENS, temperature=temperature, seed=1, progress=False):
-            temperatures[tuple(g.prompt_ids + g.output_ids)] = temperature
+        for batch in [prompts] + [[p] for p in prompts]:  # plain steps (b > 1), then drafted blocks (b = 1)
+            for g in generate(llm, batch, max_tokens=MAX_TOKENS, temperature=temperature, seed=1, progress=False):
+                temperatures[tuple(g.prompt_ids + g.output_ids)] = temperature
     cap = capture_hooks.current()
     stats = cap.stats() if cap is not None else {}
     if cap is not None:
@@ -108,8 +116,12 @@ def main(target: str, out_dir: str) -> None:
                                          float((diff / reference.abs().clamp(min=1.0)).max()))
         figures = per_temperature.setdefault(str(record.temperature), {
             "records": 0, "blocks": 0, "teacher_blocks": 0, "rows": 0, "max_abs_diff": 0.0,
-            "id_mismatches": 0, "near_tie_mismatches": 0, "partial_blocks": 0})
+            "id_mismatches": 0, "near_tie_mismatches": 0, "partial_blocks": 0, "path_records": 0,
+            "path_rows": 0, "path_max_abs_diff": 0.0, "path_id_mismatches": 0, "path_near_ties": 0,
+            "path_greedy_mismatches": 0})
         figures["records"] += 1
+        if record.path_teacher is not None:
+            check_path_rows(model, record, figures)
         for block in record.blocks:
             figures["blocks"] += 1
             if block.teacher is None:
@@ -138,6 +150,30 @@ def main(target: str, out_dir: str) -> None:
               "num_requests": len(temperatures), "top_k": TOP_K}
     (out / "result.json").write_text(json.dumps(result, indent=2))
     print(json.dumps(result, indent=2))
+
+
+def check_path_rows(model, record, figures: dict) -> None:
+    """The record's plain-step rows against the HF log_softmax at their positions over its own tokens."""
+    import torch
+
+    positions = list(record.path_teacher.positions)
+    seq = torch.tensor(record.tokens)
+    with torch.no_grad():
+        logprobs = torch.log_softmax(model(input_ids=seq[None]).logits[0, positions].float(), dim=-1)
+    captured_ids = torch.tensor(record.path_teacher.rows.token_ids)
+    captured = torch.tensor(record.path_teacher.rows.logprobs)
+    reference = logprobs.gather(1, captured_ids)
+    figures["path_records"] += 1
+    figures["path_rows"] += len(positions)
+    figures["path_max_abs_diff"] = max(figures["path_max_abs_diff"], float((reference - captured).abs().max()))
+    top = logprobs.topk(TOP_K, dim=-1)
+    for j, p in enumerate(positions):
+        near_tie = float((top.values[j] - reference[j]).abs().max()) <= 1e-4
+        if top.indices[j].tolist() != captured_ids[j].tolist():
+            figures["path_near_ties" if near_tie else "path_id_mismatches"] += 1
+        if record.temperature == 0 and int(captured_ids[j, 0]) != record.tokens[p + 1] and \
+                float(top.values[j, 0] - logprobs[j, record.tokens[p + 1]]) > 1e-4:
+            figures["path_greedy_mismatches"] += 1  # the row is not the one the greedy token came from
 
 
 if __name__ == "__main__":
