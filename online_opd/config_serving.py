@@ -42,10 +42,13 @@ class CaptureConfig(StrictModel):
         0, ge=0, le=1024, description="The verifier as teacher: per verified block, the target's top-k "
                                       "log-probabilities at each drafted position and the bonus position, "
                                       "taken from vLLM's own verification logits; replay then runs no target "
-                                      "forward over the drafted positions. 0 = off.")
+                                      "forward over the drafted positions. A step without a block keeps its "
+                                      "one row too (SequenceRecord.path_teacher), from which LK and "
+                                      "target-rollout KL replay simulated blocks. 0 = off.")
     teacher_sample_rate: float = Field(
         1.0, ge=0, le=1, description="Share of the captured requests whose blocks carry the teacher signal "
-                                     "(decided per request; costs a top-k over their verified rows).")
+                                     "(decided per request; costs a top-k over their verified rows and plain-step "
+                                     "rows).")
     hidden_sample_rate: float = Field(
         0.0, ge=0, le=1, description="Share of the teacher-carrying requests whose record also keeps the "
                                      "target's aux hidden states the DFlash drafter reads (the serving "
