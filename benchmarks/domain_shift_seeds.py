@@ -5,7 +5,8 @@ may be split over several invocations, e.g. `--arms auto --seed 1` and `--arms t
 --seed 1`). Runs are compared only when they share the held-out set and the static drafter's tau (same
 bootstrap, same prompts), the minutes per arm, the speculation mode, feature capture and the code the arms ran
 (`code_version`; `--allow-mixed-commits` to compare different code anyway, `--by-code` to compare an arm
-with itself on different code: each arm is then named `<arm>@<code>`); anything else is refused with the
+with itself on different code: each arm is then named `<arm>@<code>`, `--same-code A=B` to read code A as
+B where their difference does not touch the arms); anything else is refused with the
 differing setting named. Per arm: the held-out tau of the version serving at the end of
 each seed's run (its last promotion or rollback), its ratio to the static drafter, mean and Student-t 95%
 interval over seeds, trainer steps and keep-up (trained / served tokens per second); per pair of arms:
@@ -74,16 +75,20 @@ def tau_at_step(points: list[tuple[int, float]], steps: float) -> float:
     return [tau for step, tau in points if step <= steps][-1]
 
 
-def collect(paths: list[Path], allow_mixed_commits: bool = False,
-            by_code: bool = False) -> tuple[dict, dict[str, dict[int, dict]]]:
+def collect(paths: list[Path], allow_mixed_commits: bool = False, by_code: bool = False,
+            same_code: dict[str, str] | None = None) -> tuple[dict, dict[str, dict[int, dict]]]:
     """(shared settings, {arm: {seed: figures}}); refuses runs that differ, an arm seen twice at a seed, and
     (unless ``allow_mixed_commits`` or ``by_code``) runs of different code (``code_version``: the served and
     trained code, whatever else the commits changed; else ``commit``; "unknown" for runs that recorded
-    neither). ``by_code``: arms are keyed ``<arm>@<code>``, so the pairs compare code versions seed by seed."""
+    neither). ``by_code``: arms are keyed ``<arm>@<code>``, so the pairs compare code versions seed by seed.
+    ``same_code``: code versions to read as another (``{"174444aeddfd": "d5680d6ead01"}``: the caller
+    checked that what differs between them does not touch the arms compared; the JSON lists both)."""
     shared, arms, commits = None, {}, set()
+    same_code = same_code or {}
     for path in paths:
         run = json.loads(path.read_text())
-        commit = run.get("code_version") or run.get("commit") or "unknown"
+        recorded = run.get("code_version") or run.get("commit") or "unknown"
+        commit = same_code.get(recorded, recorded)
         commits.add(commit)
         if len(commits) > 1 and not (allow_mixed_commits or by_code):
             raise SystemExit(f"{path}: ran on code {commit}, the runs before it on {sorted(commits - {commit})}; "
@@ -104,7 +109,7 @@ def collect(paths: list[Path], allow_mixed_commits: bool = False,
             arms[name][seed] = {"tau": float(end), "steps": arm.get("trainer_steps"),
                                 "by_step": steps_timeline(arm, float(run["static_tau"])),
                                 "promotions": sum(p["event"] == "promote" for p in arm["timeline"][1:]),
-                                "keep_up": keep_up.get("keep_up"), "source": str(path), "code": commit}
+                                "keep_up": keep_up.get("keep_up"), "source": str(path), "code": recorded}
     if shared is None:
         raise SystemExit("no runs given")
     return {**shared, "code": sorted(commits)}, arms
@@ -155,8 +160,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--by-code", action="store_true",
                    help="name each arm <arm>@<code version>: the same arm run on two code versions becomes two "
                         "arms, paired seed by seed (implies --allow-mixed-commits)")
+    p.add_argument("--same-code", action="append", default=[], metavar="CODE=AS",
+                   help="read code version CODE as AS (repeatable): runs whose code differs only where the arms "
+                        "compared never read it (check with git diff first)")
     args = p.parse_args(argv)
-    summary = summarise(*collect(args.runs, args.allow_mixed_commits, args.by_code))
+    aliases = dict(pair.split("=", 1) for pair in args.same_code if "=" in pair)
+    if len(aliases) != len(args.same_code):
+        p.error("--same-code takes CODE=AS")
+    summary = summarise(*collect(args.runs, args.allow_mixed_commits, args.by_code, aliases))
     text = json.dumps(summary, indent=2)
     if args.json_out:
         args.json_out.parent.mkdir(parents=True, exist_ok=True)

@@ -83,6 +83,13 @@ def test_runs_that_differ_in_a_setting_or_repeat_an_arm_are_refused(tmp_path):
     assert out["paired"]["auto@abc - auto@old"]["diff"]["mean"] == pytest.approx(0.05)
     with pytest.raises(SystemExit, match="auto@abc at seed 1 appears twice"):
         domain_shift_seeds.collect([later, later], by_code=True)
+    # --same-code: a code version read as another joins its arm; each seed keeps the code it recorded
+    other_seed = write(tmp_path, "h", run(2, {"auto": [("promote", 1.5)]}, commit="c3", code_version="old2"))
+    out = domain_shift_seeds.summarise(*domain_shift_seeds.collect([later, old_code, other_seed], by_code=True,
+                                                                   same_code={"old2": "old"}))
+    assert sorted(out["arms"]) == ["auto@abc", "auto@old"]
+    _, arms = domain_shift_seeds.collect([old_code, other_seed], same_code={"old2": "old"})
+    assert sorted(arms["auto"]) == [1, 2] and arms["auto"][2]["code"] == "old2"
     with pytest.raises(SystemExit, match="no runs"):
         domain_shift_seeds.collect([])
 
