@@ -444,10 +444,7 @@ class Capture:
                 hidden = join_hidden(t.hidden, len(tokens) - 1)
             except Exception as exc:
                 self.error("join_hidden", exc)
-        positions = sorted(p for p in t.path_rows if p <= len(tokens) - 2)
-        path_teacher = PathTeacher(tuple(positions), TeacherTopK(
-            tuple(t.path_rows[p][0] for p in positions), tuple(t.path_rows[p][1] for p in positions))) \
-            if positions else None
+        path_teacher = PathTeacher.from_rows({p: row for p, row in t.path_rows.items() if p <= len(tokens) - 2})
         record = SequenceRecord(
             record_id=uuid.uuid4().hex, model_id=self.settings.model_id,
             drafter_version=blocks[0].drafter_version if blocks else t.version,
@@ -459,7 +456,7 @@ class Capture:
             self.counters["captured"] += 1
             self.counters["blocks"] += len(blocks)
             self.counters["teacher_blocks"] += sum(b.teacher is not None for b in blocks)
-            self.counters["path_teacher_rows"] += len(positions)
+            self.counters["path_teacher_rows"] += len(path_teacher.positions) if path_teacher is not None else 0
             if hidden is not None:
                 self.counters["hidden_records"] += 1
                 self.counters["hidden_rows"] += hidden.num_rows

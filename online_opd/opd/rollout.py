@@ -37,7 +37,7 @@ import torch
 
 from online_opd.opd.replay import sequence_aux
 from online_opd.traces.records import BlockRecord, SequenceRecord, acceptance_length, path_rows
-from online_opd.traces.target_signal import PathTeacher, TeacherTopK
+from online_opd.traces.target_signal import PathTeacher
 from online_opd.train.sequences import TrainSequence
 
 
@@ -86,9 +86,10 @@ def is_settled(block: BlockRecord, num_tokens: int) -> bool:
 def simulated_record(target, drafter, record: SequenceRecord, captured_features: bool = True) -> SequenceRecord:
     """`record` with the blocks greedy speculative decoding with `drafter` would have logged over its
     tokens (module docstring: exact at T = 0, an exact sample at T > 0), from the target's features and
-    one batched drafter forward, keeping the captured rows along its tokens (``path_teacher``). The
-    features: with ``captured_features``, the record's own
-    (``SequenceRecord.hidden``, the rows vLLM handed the serving drafter) where they cover it, the target
+    one batched drafter forward, keeping the captured rows along its tokens (``records.path_rows``: the
+    plain steps' and the dropped logged blocks' on-path ones, as its ``path_teacher``). The features:
+    with ``captured_features``, the record's own (``SequenceRecord.hidden``, the rows vLLM handed the
+    serving drafter) where they cover it, the target
     running only over the positions before them (``replay.sequence_aux``); else one target forward. A
     block whose outcome runs past the end of the record (``is_settled``) is left out: the record cannot
     tell whether it would have been accepted."""
@@ -99,18 +100,7 @@ def simulated_record(target, drafter, record: SequenceRecord, captured_features:
     aux, _ = sequence_aux(target, tokens[:-1], tuple(drafter.target_layer_ids), hidden)
     blocks = greedy_blocks(drafter, TrainSequence(tokens, record.prompt_len, aux))
     return dataclasses.replace(record, blocks=tuple(b for b in blocks if is_settled(b, len(record.tokens))),
-                               events=(), path_teacher=path_teacher(record))
-
-
-def path_teacher(record: SequenceRecord) -> PathTeacher | None:
-    """The record's captured rows along its tokens (``records.path_rows``: the plain steps' and the logged
-    blocks' on-path ones) as one ``PathTeacher``, which outlives the logged blocks a simulated record drops."""
-    rows = path_rows(record)
-    if not rows:
-        return None
-    positions = sorted(rows)
-    return PathTeacher(tuple(positions), TeacherTopK(tuple(rows[p][0] for p in positions),
-                                                     tuple(rows[p][1] for p in positions)))
+                               events=(), path_teacher=PathTeacher.from_rows(path_rows(record)))
 
 
 def pooled_acceptance_length(blocks_per_seq: list[list[BlockRecord]]) -> float:

@@ -114,6 +114,16 @@ class PathTeacher:
                 any(b <= a for a, b in zip(self.positions, self.positions[1:])):
             raise ValueError("path_teacher.positions must be strictly increasing ints >= 0")
 
+    @classmethod
+    def from_rows(cls, rows: dict[int, tuple[tuple[int, ...], tuple[float, ...]]]) -> "PathTeacher | None":
+        """From ``{position: (ids, logprobs)}`` (``records.path_rows``' shape), in position order; None when
+        empty. Not validated (the capture's rows and rows read from records are)."""
+        if not rows:
+            return None
+        positions = sorted(rows)
+        return cls(tuple(positions), TeacherTopK(tuple(rows[p][0] for p in positions),
+                                                 tuple(rows[p][1] for p in positions)))
+
     def to_dict(self) -> dict[str, Any]:
         return {"positions": list(self.positions), **self.rows.to_dict()}
 
