@@ -33,6 +33,14 @@ def rollouts(trained_run) -> list[tuple[list[int], list[int]]]:
     return memorised_rollouts(trained_run)
 
 
+@pytest.fixture(scope="module")
+def replay_pair():
+    """(target, drafter) of the replay tests (tests/tiny.py ``replay_models``), one pair per module."""
+    from tests.tiny import replay_models
+
+    return replay_models()
+
+
 # ---------------------------------------------------------------- what a module leaves running
 
 _LEFT_BEHIND: list[str] = []

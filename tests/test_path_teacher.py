@@ -17,23 +17,23 @@ from online_opd.opd.replay import path_block_teacher, replay_sequence, top_k_tea
 from online_opd.opd.rollout import simulated_record
 from online_opd.opd.specdec import target_generate
 from online_opd.traces.buffer import decode_segment, encode_segment
-from online_opd.traces.records import BlockRecord, SequenceRecord, path_rows
+from online_opd.traces.records import SequenceRecord, path_rows
 from online_opd.traces.target_signal import PathTeacher, TargetHidden
 from online_opd.train.opd import objective_fn, replay_records, with_path_teachers
-from tests.tiny import VOCAB, tiny_drafter, tiny_target
+from tests.tiny import REPLAY_PROMPT, VOCAB, mixed_blocks
 
 K = 4
-PROMPT = [5, 17, 3, 42, 8, 29]
+PROMPT = REPLAY_PROMPT
 
 
 @pytest.fixture(scope="module")
-def target():
-    return tiny_target(0, num_layers=3, init_range=0.5)
+def target(replay_pair):
+    return replay_pair[0]
 
 
 @pytest.fixture(scope="module")
-def drafter(target):
-    return tiny_drafter(target, block_size=K, seed=1, std=0.02)
+def drafter(replay_pair):
+    return replay_pair[1]
 
 
 @pytest.fixture(scope="module")
@@ -42,15 +42,8 @@ def tokens(target):
 
 
 @pytest.fixture(scope="module")
-def mixed_blocks(tokens):
-    """Blocks of K_m = 4, 2, 1, 3, 4 tokens (r = 1, 2, 0, 3, 2), drafts wrong after r."""
-    seq, blocks, anchor = tokens.tolist(), [], len(PROMPT)
-    for length, r, plain in ((4, 1, 0), (2, 2, 2), (1, 0, 0), (3, 3, 1), (4, 2, 0)):
-        truth = seq[anchor + 1: anchor + 1 + length]
-        draft = truth[:r] + [(t + 1) % VOCAB for t in truth[r:]]
-        blocks.append(BlockRecord(anchor=anchor, draft_tokens=tuple(draft), num_accepted=r))
-        anchor += r + 1 + plain
-    return blocks
+def mixed(tokens):
+    return mixed_blocks(tokens.tolist(), len(PROMPT))
 
 
 def sequence_teacher(target, tokens: torch.Tensor, k: int, positions=None) -> PathTeacher:
@@ -121,11 +114,11 @@ def test_a_record_refuses_a_row_past_its_last_predicting_position(target, tokens
         make_record(tokens[:-1], path_teacher=sequence_teacher(target, tokens, 2, positions=(last,)))
 
 
-def test_path_rows_take_the_plain_rows_and_the_blocks_rows_on_the_sequence(target, tokens, mixed_blocks):
+def test_path_rows_take_the_plain_rows_and_the_blocks_rows_on_the_sequence(target, tokens, mixed):
     """A block (a, d, r) verified row j at a + j over d_<=j: on the sequence for j <= r (its bonus row K_m
     too when r = K_m); a plain row at the same position wins."""
     blocks = []
-    for block in mixed_blocks:
+    for block in mixed:
         seq = torch.cat([tokens[: block.anchor + 1], torch.tensor(block.draft_tokens)])
         blocks.append(dataclasses.replace(block, teacher=top_k_teacher(target.forward(seq).logits[block.anchor:], 3)))
     plain = sequence_teacher(target, tokens, 3, positions=(len(PROMPT) - 1, blocks[0].anchor))
@@ -145,9 +138,9 @@ def test_path_rows_take_the_plain_rows_and_the_blocks_rows_on_the_sequence(targe
         assert logprobs == pytest.approx(full.rows.logprobs[j], abs=1e-5)
 
 
-def test_path_block_teacher_repeats_the_last_row_on_the_path(target, tokens, mixed_blocks):
+def test_path_block_teacher_repeats_the_last_row_on_the_path(target, tokens, mixed):
     rows = path_rows(make_record(tokens, path_teacher=sequence_teacher(target, tokens, 2)))
-    for block in mixed_blocks:
+    for block in mixed:
         teacher = path_block_teacher(block, rows)
         n, r = len(block.draft_tokens), block.num_accepted
         assert len(teacher.token_ids) == n + 1
@@ -156,9 +149,9 @@ def test_path_block_teacher_repeats_the_last_row_on_the_path(target, tokens, mix
             position = block.anchor + (j if j <= on_path or (j == n and r == n) else on_path)
             assert (teacher.token_ids[j], teacher.logprobs[j]) == rows[position]
     missing = dict(rows)
-    del missing[mixed_blocks[0].anchor + 1]  # r = 1: its row at k = 2 is on the path
-    assert path_block_teacher(mixed_blocks[0], missing) is None
-    assert path_block_teacher(mixed_blocks[2], missing) is not None  # r = 0, K_m = 1: row a only
+    del missing[mixed[0].anchor + 1]  # r = 1: its row at k = 2 is on the path
+    assert path_block_teacher(mixed[0], missing) is None
+    assert path_block_teacher(mixed[2], missing) is not None  # r = 0, K_m = 1: row a only
 
 
 # ---------------------------------------------------------------- replay
@@ -173,12 +166,12 @@ def _loss(target, drafter, record, name, use_teacher=True):
 
 @pytest.mark.parametrize("name", ["lk", "target_rollout"])
 def test_path_only_objectives_replay_the_path_teacher_as_the_recomputed_target(target, drafter, tokens,
-                                                                                mixed_blocks, name):
+                                                                                mixed, name):
     """At k = vocab the rows along the sequence are the target's own: the LK and target-rollout losses equal
     the recomputed ones, and replay runs no target forward beyond the sequence's (none with the features)."""
     with torch.no_grad():
         aux = target.forward(tokens[:-1], tuple(drafter.target_layer_ids), logits_at=tokens.new_empty(0)).aux_hidden
-    record = make_record(tokens, mixed_blocks, sequence_teacher(target, tokens, VOCAB),
+    record = make_record(tokens, mixed, sequence_teacher(target, tokens, VOCAB),
                          TargetHidden.from_tensor(0, aux))
     assert _loss(target, drafter, record, name) == pytest.approx(_loss(target, drafter, record, name, False),
                                                                  rel=1e-5, abs=1e-6)
@@ -189,21 +182,21 @@ def test_path_only_objectives_replay_the_path_teacher_as_the_recomputed_target(t
     assert batch.num_target_tokens == 0  # the captured features and teacher: no target forward at all
 
 
-def test_objectives_reading_other_positions_ignore_the_path_teacher(target, drafter, tokens, mixed_blocks):
+def test_objectives_reading_other_positions_ignore_the_path_teacher(target, drafter, tokens, mixed):
     """Draft-OPD reads positions after the first rejection, which the sequence never visited: a top-2 path
     teacher (far from the target's full rows) leaves its loss the recomputed one; LK's moves."""
-    record = make_record(tokens, mixed_blocks, sequence_teacher(target, tokens, 2))
+    record = make_record(tokens, mixed, sequence_teacher(target, tokens, 2))
     assert not objective_fn(TrainerConfig(objective="draft_opd")).path_only
     assert objective_fn(TrainerConfig(objective="draft_opd", first_rejected_only=True)).path_only
     assert _loss(target, drafter, record, "draft_opd") == _loss(target, drafter, record, "draft_opd", False)
     assert abs(_loss(target, drafter, record, "lk") - _loss(target, drafter, record, "lk", False)) > 1e-4
 
 
-def test_a_simulated_record_keeps_the_rows_of_the_blocks_it_drops(target, drafter, tokens, mixed_blocks):
+def test_a_simulated_record_keeps_the_rows_of_the_blocks_it_drops(target, drafter, tokens, mixed):
     """Simulation replaces the logged blocks by the current drafter's: their on-path rows move into the
     record's path teacher with the plain ones, and every simulated block then carries a teacher."""
     blocks = []
-    for block in mixed_blocks:
+    for block in mixed:
         seq = torch.cat([tokens[: block.anchor + 1], torch.tensor(block.draft_tokens)])
         blocks.append(dataclasses.replace(block, teacher=top_k_teacher(target.forward(seq).logits[block.anchor:],
                                                                        VOCAB)))

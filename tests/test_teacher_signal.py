@@ -27,20 +27,20 @@ from online_opd.opd.specdec import target_generate
 from online_opd.traces.buffer import SEGMENT_SCHEMA, decode_segment, encode_segment
 from online_opd.traces.records import BlockRecord, SequenceRecord, check_fidelity
 from online_opd.traces.target_signal import TeacherTopK
-from tests.tiny import VOCAB, tiny_drafter, tiny_eagle3_drafter, tiny_target
+from tests.tiny import REPLAY_PROMPT, VOCAB, mixed_blocks, tiny_eagle3_drafter
 
 K = 4
-PROMPT = [5, 17, 3, 42, 8, 29]
+PROMPT = REPLAY_PROMPT
 
 
 @pytest.fixture(scope="module")
-def target():
-    return tiny_target(0, num_layers=3, init_range=0.5)
+def target(replay_pair):
+    return replay_pair[0]
 
 
 @pytest.fixture(scope="module")
-def drafter(target):
-    return tiny_drafter(target, block_size=K, seed=1, std=0.02)
+def drafter(replay_pair):
+    return replay_pair[1]
 
 
 def block_teacher(target, tokens: torch.Tensor, block: BlockRecord, k: int) -> TeacherTopK:
@@ -60,13 +60,7 @@ def with_teacher(target, tokens, blocks, k: int, which=None) -> list[BlockRecord
 def mixed(target):
     """Greedy target sequence with blocks of K_m = 4, 2, 1, 3, 4 tokens (r = 1, 2, 0, 3, 2), wrong after r."""
     tokens = target_generate(target, PROMPT, 24)  # T = 30
-    blocks, anchor = [], len(PROMPT)
-    for length, r, plain in ((4, 1, 0), (2, 2, 2), (1, 0, 0), (3, 3, 1), (4, 2, 0)):
-        truth = tokens[anchor + 1 : anchor + 1 + length]
-        draft = truth[:r] + [(t + 1) % VOCAB for t in truth[r:]]
-        blocks.append(BlockRecord(anchor=anchor, draft_tokens=tuple(draft), num_accepted=r))
-        anchor += r + 1 + plain
-    return torch.tensor(tokens), blocks
+    return torch.tensor(tokens), mixed_blocks(tokens, len(PROMPT))
 
 
 def _teacher(rows: int = 3, k: int = 2) -> TeacherTopK:

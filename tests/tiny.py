@@ -63,3 +63,26 @@ def greedy_sequences(target: TargetModel, num: int = 3, length: int = 40, prompt
             tokens.append(int(target.forward(torch.tensor(tokens)).logits[-1].argmax()))
         out.append((torch.tensor(tokens), prompt_len))
     return out
+
+
+REPLAY_PROMPT = [5, 17, 3, 42, 8, 29]
+
+
+def replay_models(block_size: int = 4) -> tuple[TargetModel, DFlashDrafter]:
+    """The replay tests' pair: a 3-layer target with peaked logits and a DFlash drafter near zero."""
+    target = tiny_target(0, num_layers=3, init_range=0.5)
+    return target, tiny_drafter(target, block_size=block_size, seed=1, std=0.02)
+
+
+def mixed_blocks(tokens: list[int], first_anchor: int) -> list:
+    """Blocks over a greedy ``tokens`` of K_m = 4, 2, 1, 3, 4 tokens (r = 1, 2, 0, 3, 2), drafts wrong after r,
+    with 0, 2, 0, 1, 0 plain steps before the next block."""
+    from online_opd.traces.records import BlockRecord
+
+    blocks, anchor = [], first_anchor
+    for length, r, plain in ((4, 1, 0), (2, 2, 2), (1, 0, 0), (3, 3, 1), (4, 2, 0)):
+        truth = tokens[anchor + 1: anchor + 1 + length]
+        draft = truth[:r] + [(t + 1) % VOCAB for t in truth[r:]]
+        blocks.append(BlockRecord(anchor=anchor, draft_tokens=tuple(draft), num_accepted=r))
+        anchor += r + 1 + plain
+    return blocks
