@@ -66,8 +66,11 @@ logger = logging.getLogger("domain_shift")
 TRAFFIC = "humaneval-train-rotating-16"  # the traffic's shape, recorded so runs of other traffic do not pool
 
 
-def held_out_rollouts(cfg, target: Path, num_prompts: int, max_tokens: int) -> list[list[int]]:
-    prompts = load_prompts("humaneval", num_prompts=num_prompts, split="held_out", seed=0)
+def held_out_rollouts(cfg, target: Path, num_prompts: int, max_tokens: int,
+                      split: str = "held_out") -> list[list[int]]:
+    """The target's T=0 replies to ``num_prompts`` HumanEval prompts of ``split`` (held_out: the runs never
+    train on them; train: the traffic's own prompts)."""
+    prompts = load_prompts("humaneval", num_prompts=num_prompts, split=split, seed=0)
     ids = engine.chat_prompt_ids(load_tokenizer(target), [p.messages for p in prompts])
     llm = engine.make_llm(target, dtype="float32", max_model_len=cfg.model.max_model_len,
                           engine_kwargs={"max_num_seqs": 16})
