@@ -66,7 +66,7 @@ logger = logging.getLogger("domain_shift")
 TRAFFIC = "humaneval-train-rotating-16"  # the traffic's shape, recorded so runs of other traffic do not pool
 
 
-def held_out_rollouts(cfg, target: Path, num_prompts: int, max_tokens: int,
+def humaneval_rollouts(cfg, target: Path, num_prompts: int, max_tokens: int,
                       split: str = "held_out") -> list[list[int]]:
     """The target's T=0 replies to ``num_prompts`` HumanEval prompts of ``split`` (held_out: the runs never
     train on them; train: the traffic's own prompts)."""
@@ -82,7 +82,7 @@ def held_out_rollouts(cfg, target: Path, num_prompts: int, max_tokens: int,
 
 
 class HeldOutTau:
-    """Exact T=0 tau of a drafter on fixed held-out target rollouts (features computed once)."""
+    """Exact T=0 tau of a drafter on fixed target rollouts (held-out ones here; features computed once)."""
 
     def __init__(self, target: Path, rollouts, layer_ids):
         self.model = TargetModel.from_pretrained(target, dtype=torch.float32)
@@ -263,7 +263,7 @@ def main() -> int:
     cfg = load_config(args.config)
     target = resolve_target(cfg, progress=False)
     start = time.time()
-    rollouts = held_out_rollouts(cfg, target, args.eval_prompts, args.max_tokens)
+    rollouts = humaneval_rollouts(cfg, target, args.eval_prompts, args.max_tokens)
     drafter = load_drafter(args.bootstrap / "drafter")
     tau_of = HeldOutTau(target, rollouts, drafter.target_layer_ids)
     static_tau = tau_of(args.bootstrap / "drafter")

@@ -1,6 +1,7 @@
 """Seen against unseen prompts: the exact T=0 tau of drafters on the target's replies to HumanEval prompts the
-domain-shift traffic trained on (train split) and to prompts it never saw (held_out split), to tell a drafter
-that stops improving for want of distinct data (seen >> unseen) from one at its capacity (seen ~ unseen).
+domain-shift traffic trained on (train split) and to prompts it never saw (held_out split): a drafter whose
+held-out tau stalls while it fits the traffic (seen >> unseen) is limited by what transfers from that traffic;
+one that fits neither (seen ~ unseen) by what it can learn at all.
 The online gate keeps about 15% of the traffic's prompts out of training (by prompt prefix), so some "seen"
 prompts were only served, never trained on: the gap it prints is a lower bound.
 
@@ -19,7 +20,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from domain_shift import ROOT, HeldOutTau, held_out_rollouts, load_config, load_drafter  # noqa: E402
+from domain_shift import ROOT, HeldOutTau, humaneval_rollouts, load_config, load_drafter  # noqa: E402
 
 from serve.pipeline import resolve_target  # noqa: E402
 
@@ -42,7 +43,7 @@ def main() -> int:
     start = time.time()
     taus: dict[str, dict[str, float]] = {name: {} for name in drafters}
     for split in ("train", "held_out"):
-        tau_of = HeldOutTau(target, held_out_rollouts(cfg, target, args.prompts, args.max_tokens, split=split),
+        tau_of = HeldOutTau(target, humaneval_rollouts(cfg, target, args.prompts, args.max_tokens, split=split),
                             layer_ids)
         for name, path in drafters.items():
             taus[name][split] = round(tau_of(Path(path)), 4)
