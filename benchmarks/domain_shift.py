@@ -8,8 +8,8 @@ Arms, in one run on this machine:
   (e) lk, lk_greedy  (with `--arms`) the LK objective, -log acceptance rate, at teacher T=1 / T=0.
 The online arms each run `online-opd serve` with its Ray trainer for the same number of optimizer
 steps (`--steps`) with the same batch shape: equal trainer compute (their trainer seconds are
-reported too). Traffic: `online-opd loadgen`'s engine on HumanEval *train*-split prompts, greedy,
-closed loop, in batches of 16 requests: batch i sends the first 16 of the train split shuffled with
+reported too). Traffic: `online-opd loadgen`'s engine on HumanEval *train*-split prompts, greedy
+(or sampled at `--temperature`, each repeat a fresh sample: more distinct sequences per prompt), closed loop, in batches of 16 requests: batch i sends the first 16 of the train split shuffled with
 seed i, so an arm sees every train prompt, a few times each, in the same order in every arm (TRAFFIC;
 runs before 2026-12-04 sent the same 16 prompts in every batch, which the gate's held-out share cut to
 2 prompts). The gate (margin 0, paired lower bound) promotes versions; the reloader hot-loads them.
@@ -36,6 +36,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import math
 import shutil
 import sys
 import threading
@@ -64,6 +65,11 @@ from serve.scrape import scrape_loop  # noqa: E402
 logger = logging.getLogger("domain_shift")
 
 TRAFFIC = "humaneval-train-rotating-16"  # the traffic's shape, recorded so runs of other traffic do not pool
+
+
+def traffic_name(temperature: float) -> str:
+    """TRAFFIC, with the sampling temperature appended when it is not greedy (runs at T=0 keep the old name)."""
+    return TRAFFIC if temperature == 0 else f"{TRAFFIC}-T{temperature:g}"
 
 
 def humaneval_rollouts(cfg, target: Path, num_prompts: int, max_tokens: int,
@@ -137,7 +143,7 @@ def run_arm(name: str, objective: str, args, bootstrap_dir: Path, out: Path) -> 
             while not stop.is_set():
                 loads.append(run_load(LoadConfig(
                     base_url=f"{server.url}/v1", prompts="humaneval", split="train", num_prompts=256,
-                    num_requests=16, concurrency=4, max_tokens=args.max_tokens, temperature=0.0,
+                    num_requests=16, concurrency=4, max_tokens=args.max_tokens, temperature=args.temperature,
                     seed=batch, progress=False)))
                 batch += 1
 
@@ -253,7 +259,12 @@ def main() -> int:
                         "(the most the trainer has to keep up with); auto = the product's policy")
     p.add_argument("--capture-features", action="store_true",
                    help="capture the verifier's top-32 and the target's features for every request")
+    p.add_argument("--temperature", type=float, default=0.0,
+                   help="sampling temperature of the traffic (no per-request seed: every repeat of a prompt is "
+                        "a fresh sample); the held-out evaluation stays exact at T=0")
     args = p.parse_args()
+    if not (args.temperature >= 0 and math.isfinite(args.temperature)):
+        p.error(f"--temperature must be a finite number >= 0, got {args.temperature}")
     logging.basicConfig(level=logging.INFO, stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if not (args.bootstrap / "drafter" / "manifest.json").exists():
@@ -279,7 +290,7 @@ def main() -> int:
                                                  for p in arm["timeline"]])
     plot(static_tau, arms, args.out / "domain_shift.png")
     result = {"command": " ".join(sys.argv), "commit": commit, "code_version": code, "seed": args.seed, "capture_features": args.capture_features,
-              "speculation": args.speculation, "traffic": TRAFFIC,
+              "speculation": args.speculation, "traffic": traffic_name(args.temperature),
               "held_out_prompts": len(rollouts), "max_tokens": args.max_tokens,
               "static_tau": static_tau, "steps_per_arm": args.steps, "minutes_per_arm": args.minutes,
               "arms": [{k: v for k, v in a.items() if k != "history"} for a in arms],
