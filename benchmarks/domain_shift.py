@@ -9,7 +9,8 @@ Arms, in one run on this machine:
 The online arms each run `online-opd serve` with its Ray trainer for the same number of optimizer
 steps (`--steps`) with the same batch shape: equal trainer compute (their trainer seconds are
 reported too). Traffic: `online-opd loadgen`'s engine on HumanEval *train*-split prompts, greedy
-(or sampled at `--temperature`, each repeat a fresh sample: more distinct sequences per prompt), closed loop, in batches of 16 requests: batch i sends the first 16 of the train split shuffled with
+(or sampled at `--temperature`, each repeat a fresh sample: more distinct sequences per prompt),
+closed loop, in batches of 16 requests: batch i sends the first 16 of the train split shuffled with
 seed i, so an arm sees every train prompt, a few times each, in the same order in every arm (TRAFFIC;
 runs before 2026-12-04 sent the same 16 prompts in every batch, which the gate's held-out share cut to
 2 prompts). The gate (margin 0, paired lower bound) promotes versions; the reloader hot-loads them.
