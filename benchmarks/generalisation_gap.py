@@ -34,6 +34,9 @@ def main() -> int:
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--out", type=Path)
     args = p.parse_args()
+    bad = [d for d in args.drafter if "=" not in d or not d.split("=", 1)[1]]
+    if bad:
+        p.error(f"--drafter takes NAME=PATH, got {bad}")
     logging.basicConfig(level=logging.INFO, stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     drafters = dict(d.split("=", 1) for d in args.drafter)
