@@ -243,6 +243,12 @@ class GateConfig(StrictModel):
         True, description="Give both drafters the target features a record carries (capture.hidden_sample_rate) "
                           "instead of a target forward over its context: the features the served drafter saw. "
                           "false: always recompute them.")
+    captured_teacher: bool = Field(
+        True, description="Verify a T > 0 record's blocks on its captured top-k rows (capture.teacher_top_k: "
+                          "the served target's own verification, the tail spread uniformly) when they hold "
+                          "every row both drafters' blocks need; then no target forward. Otherwise, and "
+                          "false: the packed target forward, for all the record's blocks (one source per "
+                          "record). T = 0 records need neither (read off the tokens).")
 
     @model_validator(mode="after")
     def _can_pass(self) -> GateConfig:

@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from online_opd.config import GateConfig, TrainerConfig
+from online_opd.opd.replay import top_k_teacher
 from online_opd.opd.rollout import pooled_acceptance_length
 from online_opd.opd.specdec import processed_probs, speculative_generate, verify_greedy, verify_rejection
 from online_opd.release import gate as gate_module
@@ -26,12 +27,12 @@ from online_opd.release.gate import (
     walk_blocks,
 )
 from online_opd.traces.records import SequenceRecord, check_fidelity
-from online_opd.traces.target_signal import TargetHidden
+from online_opd.traces.target_signal import PathTeacher, TargetHidden
 from online_opd.train.loop import train
 from online_opd.train.sequences import TrainSequence, compute_aux_hidden
 from online_opd.train.sft import sample_anchors, sft_loss
 from tests.dynamic_k import scheduled_greedy_record
-from tests.tiny import tiny_drafter, tiny_target
+from tests.tiny import VOCAB, tiny_drafter, tiny_target
 
 K = 4
 NEW_TOKENS = 28
@@ -111,7 +112,7 @@ def _reference_logits(target, record, anchor, draft):
 def test_greedy_simulation_equals_reference_verification(target, serving, trained, records):
     record = records[0]
     anchors = [b.anchor for b in record.blocks]
-    expected, (trained_drafts, serving_drafts) = simulate_record(target, (trained, serving), record, anchors)
+    expected, (trained_drafts, serving_drafts), _ = simulate_record(target, (trained, serving), record, anchors)
     # the drafter that served the request re-proposes its logged blocks and gets its logged r
     assert serving_drafts.tolist() == [list(b.draft_tokens) for b in record.blocks]
     assert expected[1].tolist() == [float(b.num_accepted) for b in record.blocks]
@@ -130,7 +131,7 @@ def test_blocks_of_changing_length_are_scored_at_their_own_length(target, servin
     lengths = [len(b.draft_tokens) for b in record.blocks]
     assert {1, 2, 3, 4} <= set(lengths) and any(b.num_plain_steps > 1 for b in record.blocks)
     anchors = [b.anchor for b in record.blocks]
-    expected, (trained_drafts, serving_drafts) = simulate_record(target, (trained, serving), record, anchors,
+    expected, (trained_drafts, serving_drafts), _ = simulate_record(target, (trained, serving), record, anchors,
                                                                  lengths)
     # the drafter that served re-proposes each logged block at its length and gets its logged r
     assert [d[:n] for d, n in zip(serving_drafts.tolist(), lengths)] == [list(b.draft_tokens) for b in record.blocks]
@@ -161,9 +162,9 @@ def test_drafters_with_other_block_sizes_share_the_packed_forward(target, traine
     short = tiny_drafter(target, block_size=2, seed=3)
     record = records[1]
     anchors = gate_anchors(record, 10)
-    together, (long_drafts, short_drafts) = simulate_record(target, (trained, short), record, anchors)
+    together, (long_drafts, short_drafts), _ = simulate_record(target, (trained, short), record, anchors)
     assert long_drafts.shape == (len(anchors), K) and short_drafts.shape == (len(anchors), 2)
-    alone, _ = simulate_record(target, (short,), record, anchors)
+    alone, _, _ = simulate_record(target, (short,), record, anchors)
     assert torch.equal(together[1], alone[0])
     assert float(together[1].max()) <= 2
 
@@ -223,11 +224,11 @@ def test_sampled_records_match_rejection_sampling_in_expectation(target, serving
     sampling = {"temperature": 0.3, "top_p": 0.9, "top_k": 20}
     record = _record(target, serving, [9, 4, 33, 20], "s", seed=1, **sampling)
     anchors = [b.anchor for b in record.blocks][:6]
-    expected, _ = simulate_record(target, (trained, serving), record, anchors)
+    expected, _, _ = simulate_record(target, (trained, serving), record, anchors)
     assert bool(((expected >= 0) & (expected <= K)).all())
     # the oracle's blocks are often accepted at this temperature: a demanding comparison
     oracle = GreedyOracle(target, K)
-    expected, (drafts,) = simulate_record(target, (oracle,), record, anchors[:2])
+    expected, (drafts,), _ = simulate_record(target, (oracle,), record, anchors[:2])
     gen = torch.Generator().manual_seed(0)
     for i in range(2):
         logits = _reference_logits(target, record, anchors[i], drafts[i].tolist())
@@ -238,8 +239,8 @@ def test_sampled_records_match_rejection_sampling_in_expectation(target, serving
         assert 0.2 < float(expected[0, i]) < K - 0.2
         assert abs(float(expected[0, i]) - mean) < 4 * stderr
     # top_k = 1 leaves only the argmax: the same as greedy verification
-    greedy, _ = simulate_record(target, (trained,), dataclasses.replace(record, temperature=0.0), anchors)
-    top1, _ = simulate_record(target, (trained,), dataclasses.replace(record, top_k=1), anchors)
+    greedy, _, _ = simulate_record(target, (trained,), dataclasses.replace(record, temperature=0.0), anchors)
+    top1, _, _ = simulate_record(target, (trained,), dataclasses.replace(record, top_k=1), anchors)
     assert torch.equal(greedy, top1)
 
 
@@ -365,8 +366,8 @@ def test_greedy_records_are_verified_from_their_own_tokens(target, serving, trai
     inside = cut = 0
     for record in records[:4]:
         anchors = [b.anchor for b in record.blocks]
-        verified, drafts = simulate_record(target, (trained, serving, oracle), record, anchors)
-        read, same_drafts = simulate_record(target, (trained, serving, oracle), record, anchors,
+        verified, drafts, _ = simulate_record(target, (trained, serving, oracle), record, anchors)
+        read, same_drafts, _ = simulate_record(target, (trained, serving, oracle), record, anchors,
                                             greedy_from_tokens=True)
         assert all(torch.equal(a, b) for a, b in zip(drafts, same_drafts))
         assert read[1].tolist() == [float(b.num_accepted) for b in record.blocks]
@@ -384,3 +385,80 @@ def test_greedy_records_are_verified_from_their_own_tokens(target, serving, trai
                                  GateConfig())  # > 0: verified by the target forward
     result = evaluate_gate(target, trained, serving, records, GateConfig())
     assert result.passed == with_forward.passed and result.n_blocks == with_forward.n_blocks
+
+
+def _with_captured_rows(target, record, k):
+    """``record`` as a capture with ``capture.teacher_top_k = k`` keeps it: every logged block's K_m + 1
+    verifier rows, and the plain steps' rows along its tokens where no block verified them."""
+    tokens = torch.tensor(record.tokens)
+    blocks = []
+    with torch.no_grad():
+        for b in record.blocks:
+            seq = torch.cat([tokens[: b.anchor + 1], torch.tensor(b.draft_tokens)])
+            blocks.append(dataclasses.replace(b, teacher=top_k_teacher(target.forward(seq).logits[b.anchor:], k)))
+        verified = {b.anchor + j for b in record.blocks for j in range(min(b.num_accepted, len(b.draft_tokens)) + 1)}
+        plain = [p for p in range(record.prompt_len - 1, len(record.tokens) - 1) if p not in verified]
+        path = PathTeacher(tuple(plain), top_k_teacher(target.forward(tokens).logits[plain], k)) if plain else None
+    return dataclasses.replace(record, blocks=tuple(blocks), path_teacher=path)
+
+
+@pytest.fixture(scope="module")
+def sampled(target, serving):
+    """Six requests served at T = 0.8 with the serving drafter, captured with the whole vocabulary's rows."""
+    return [_with_captured_rows(target, _record(target, serving, p, f"t{i}", temperature=0.8, seed=i), VOCAB)
+            for i, p in enumerate(_prompts(6, 40))]
+
+
+def test_sampled_blocks_are_verified_on_the_captured_rows(target, serving, trained, sampled):
+    """At T > 0 with every row a drafter needs captured (the serving drafter re-proposes its logged blocks;
+    the rest lie on the sequence), the gate reads them instead of the packed forward: with all of the
+    vocabulary kept, the same E[r] within float32 rounding. A truncated top-k moves it but keeps it in
+    [0, K_m]. The oracle's blocks leave the logged ones and the path: no rows, so the forward."""
+    for record in sampled:
+        blocks = gate_module.gate_blocks(record, 64)
+        anchors, lengths = [b.anchor for b in blocks], [b.drafted_width for b in blocks]
+        forward = simulate_record(target, (serving,), record, anchors, lengths)
+        read = simulate_record(target, (serving,), record, anchors, lengths, captured_teacher=True)
+        assert read.from_teacher and not forward.from_teacher
+        assert torch.equal(read.proposals[0], forward.proposals[0])
+        torch.testing.assert_close(read.expected, forward.expected, atol=1e-5, rtol=1e-5)
+        top3 = simulate_record(target, (serving,), _with_captured_rows(target, record, 3), anchors, lengths,
+                               captured_teacher=True)
+        assert top3.from_teacher and bool(((top3.expected >= 0) & (top3.expected <= torch.tensor(lengths))).all())
+    oracle = simulate_record(target, (GreedyOracle(target, K), serving), sampled[0], anchors[:2], lengths[:2],
+                             captured_teacher=True)
+    assert not oracle.from_teacher
+
+
+def test_one_missing_row_sends_the_whole_record_to_the_forward(target, serving, sampled):
+    """Both drafters' scores on a record come from one source: drop the rows of one block whose
+    proposal leaves the sequence before its last position, and every block of the record is verified
+    by the forward, bit for bit what captured_teacher=false gives."""
+    record = sampled[0]
+    blocks = gate_module.gate_blocks(record, 64)
+    anchors, lengths = [b.anchor for b in blocks], [b.drafted_width for b in blocks]
+    [off_path] = [i for i, b in enumerate(record.blocks) if b.num_accepted < len(b.draft_tokens) - 1][:1]
+    holed = dataclasses.replace(record, blocks=tuple(dataclasses.replace(b, teacher=None) if i == off_path else b
+                                                     for i, b in enumerate(record.blocks)))
+    read = simulate_record(target, (serving,), holed, anchors, lengths, captured_teacher=True)
+    forward = simulate_record(target, (serving,), holed, anchors, lengths)
+    assert not read.from_teacher and torch.equal(read.expected, forward.expected)
+
+
+def test_the_gate_counts_records_scored_on_captured_rows(target, serving, trained, sampled):
+    """evaluate_gate reports how many records it scored on captured rows; with the whole vocabulary kept
+    its figures equal the forward's whatever the mix of sources. A candidate a little off the serving
+    drafter keeps some records on the rows; the trained one leaves the logged blocks in every record."""
+    nudged = copy.deepcopy(serving)
+    with torch.no_grad():
+        for param in nudged.parameters():
+            param.add_(0.003 * torch.randn(param.shape, generator=torch.Generator().manual_seed(3)))
+    counts = []
+    for candidate in (nudged, trained):
+        read = evaluate_gate(target, candidate, serving, sampled, GateConfig(min_records=2))
+        forward = evaluate_gate(target, candidate, serving, sampled, GateConfig(min_records=2, captured_teacher=False))
+        assert forward.n_records_teacher == 0
+        assert (read.tau_candidate, read.tau_serving, read.record_diff_lower) == pytest.approx(
+            (forward.tau_candidate, forward.tau_serving, forward.record_diff_lower), abs=1e-5)
+        counts.append(read.n_records_teacher)
+    assert 0 < counts[0] < len(sampled) and counts[1] == 0, counts

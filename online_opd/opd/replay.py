@@ -181,6 +181,25 @@ def _reconstruct(
     return torch.log_softmax(out, dim=-1)
 
 
+def captured_rows_logits(
+    rows: Sequence[tuple[Sequence[int], Sequence[float]]],
+    vocab_size: int,
+    device: torch.device | str | None = None,
+) -> torch.Tensor:
+    """[len(rows), vocab] float32 log-probabilities of captured top-k rows ((ids, logprobs) pairs, each
+    row's k free: a record's plain-step and block rows may differ), rebuilt as ``teacher_logits`` does
+    (uniform tail)."""
+    out = torch.empty(len(rows), vocab_size, dtype=torch.float32, device=device)
+    by_k: dict[int, list[int]] = {}
+    for i, (ids, _) in enumerate(rows):
+        by_k.setdefault(len(ids), []).append(i)
+    for idx in by_k.values():
+        ids = torch.tensor([rows[i][0] for i in idx], dtype=torch.long, device=device)
+        logprobs = torch.tensor([rows[i][1] for i in idx], dtype=torch.float32, device=device)
+        out[torch.tensor(idx, device=device)] = _reconstruct(ids, logprobs, vocab_size)
+    return out
+
+
 def path_block_teacher(block: BlockRecord, rows: dict[int, tuple[tuple[int, ...], tuple[float, ...]]],
                        ) -> TeacherTopK | None:
     """A teacher for ``block`` (a, d, r) from the target's rows along the sequence (``records.path_rows``):

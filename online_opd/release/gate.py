@@ -40,12 +40,19 @@ rows, bfloat16 where it serves in bfloat16; a forward over the prompt positions
 a prefix-cache hit left out of them), one
 batched ``propose`` per drafter (per distinct block length), and, for a
 record served at T > 0, one packed target forward (replay.py) over the
-sequence plus the union of both drafters' distinct blocks; a record without
-blocks adds the walk (one target forward and one ``propose`` at every output
-position). Measured on 32 served HumanEval records with features, 32 blocks
-each, one thread: 48.7 s per evaluation before the two shortcuts, 17.7 s with
-the T = 0 one, 9.9 s with both (benchmarks/gate_cost.py); the evaluation runs
-in the trainer's thread, so this is time it does not train.
+sequence plus the union of both drafters' distinct blocks, unless the record's
+captured top-k rows (``gate.captured_teacher``: the verifier's own, at each
+logged block's drafted positions and along the sequence) hold every row both
+drafters' blocks need, which they do wherever a drafter re-proposes the logged
+block or stays on the sampled tokens (``captured_block_logits``); a record
+without blocks adds the walk (one target forward and one ``propose`` at every
+output position). Measured on 32 served HumanEval records with features, 32
+blocks each, one thread: 48.7 s per evaluation before the T = 0 and feature
+shortcuts, 17.7 s with the T = 0 one, 9.9 s with both; at T = 0.7, on the 64
+newest held-out records of a served run, 80.7 s with the forward and 42.8 s
+with the rows (45 of 64 records on them; E[r] within 0.006 per block on
+average of the forward's: top-k truncation and bfloat16) (benchmarks/gate_cost.py).
+The evaluation runs in the trainer's thread, so this is time it does not train.
 
 Decision: let g_i be held-out prompt i's tau difference (candidate -
 serving): the mean over its records of each record's mean difference over its
@@ -84,7 +91,7 @@ import math
 import statistics
 import time
 from dataclasses import asdict, dataclass
-from typing import Any, Sequence
+from typing import Any, NamedTuple, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -93,10 +100,10 @@ from tqdm.auto import tqdm
 
 from online_opd.config import GateConfig
 from online_opd.models.target_model import TargetModel
-from online_opd.opd.replay import packed_target_forward, sequence_aux
+from online_opd.opd.replay import captured_rows_logits, packed_target_forward, sequence_aux
 from online_opd.opd.rollout import propose_all, simulated_record
 from online_opd.opd.specdec import processed_probs
-from online_opd.traces.records import BlockRecord, SequenceRecord, acceptance_length
+from online_opd.traces.records import BlockRecord, SequenceRecord, acceptance_length, path_rows
 from online_opd.train.sequences import TrainSequence
 
 DEFAULT_MAX_TOKENS = 4096  # context kept per record; bounds the packed forward's N x N mask
@@ -123,6 +130,7 @@ class GateResult:
     seconds: float
     n_records_walked: int = 0  # of n_records, those without logged blocks: scored on the serving walk
     n_prompts: int = 0  # distinct held-out keys among the n_records: the decision's sample size
+    n_records_teacher: int = 0  # of n_records, T > 0 ones scored from their captured teacher rows (no forward)
 
     def to_dict(self) -> dict[str, Any]:
         """Plain JSON-safe dict: non-finite floats become None."""
@@ -220,6 +228,14 @@ def _layer_columns(layer_ids: list[int], wanted: Sequence[int], hidden: int) -> 
     return torch.cat([torch.arange(hidden) + layer_ids.index(lid) * hidden for lid in wanted])
 
 
+class Simulation(NamedTuple):
+    """``simulate_record``'s result."""
+
+    expected: torch.Tensor  # [len(drafters), M] E[r]
+    proposals: list[torch.Tensor]  # each drafter's [M, K_d] greedy blocks
+    from_teacher: bool  # the blocks were verified on the record's captured rows, not a target forward
+
+
 @torch.no_grad()
 def simulate_record(
     target: TargetModel,
@@ -230,8 +246,9 @@ def simulate_record(
     *,
     captured_features: bool = True,
     greedy_from_tokens: bool = False,
-) -> tuple[torch.Tensor, list[torch.Tensor]]:
-    """(E[r] [len(drafters), M], each drafter's proposals [M, K_d]) at `anchors`.
+    captured_teacher: bool = False,
+) -> Simulation:
+    """E[r] [len(drafters), M] and each drafter's proposals [M, K_d] at `anchors` (``Simulation``).
 
     ``lengths``: the number of tokens the server drafted at each anchor (its
     logged block's length, which may vary per step); a drafter then drafts
@@ -246,6 +263,9 @@ def simulate_record(
     ``greedy_from_tokens`` (for a T = 0 record whose tokens are the target's greedy output, as every
     served one is: speculative decoding is lossless): no target forward verifies the blocks; E[r] is
     the number of leading drafted tokens equal to the record's own next tokens (``greedy_accepted``).
+    ``captured_teacher`` (a T > 0 record): the blocks are verified on the record's captured top-k rows
+    when they hold every row that any drafter's block needs (``captured_block_logits``), else by the
+    packed target forward, for all blocks alike: the drafters' scores on one record share one source.
     """
     if not anchors:
         raise ValueError("simulate_record needs at least one anchor")
@@ -266,17 +286,64 @@ def simulate_record(
         widths.append(width)
         proposals.append(_propose_blocks(drafter, seq, anchor_t, width))
     if full is not None:
-        return torch.stack([greedy_accepted(full, anchor_t, p, w) for p, w in zip(proposals, widths)]), proposals
+        return Simulation(torch.stack([greedy_accepted(full, anchor_t, p, w) for p, w in zip(proposals, widths)]),
+                          proposals, False)
     width = max(p.shape[1] for p in proposals)
     keys = torch.cat([torch.cat([anchor_t[:, None], F.pad(p, (0, width - p.shape[1]))], dim=1)
                       for p in proposals])  # [D * M, 1 + K]
     unique, inverse = torch.unique(keys, dim=0, return_inverse=True)
-    logits, _ = packed_target_forward(target, tokens, unique[:, 0], unique[:, 1:], ())  # [U, K, vocab]
+    logits = None
+    if captured_teacher:
+        key_widths = torch.zeros(unique.shape[0], dtype=torch.int64, device=device).scatter_reduce(
+            0, inverse, torch.cat(widths), reduce="amax")  # [U] the most positions any drafter reads
+        logits = captured_block_logits(record, unique[:, 0], unique[:, 1:], key_widths, target.vocab_size)
+    from_teacher = logits is not None
+    if logits is None:
+        logits, _ = packed_target_forward(target, tokens, unique[:, 0], unique[:, 1:], ())  # [U, K, vocab]
     probs = draft_token_probs(logits, unique[:, 1:], record.temperature, record.top_p, record.top_k)
     num = len(anchors)
     expected = torch.stack([expected_accepted(probs[inverse[i * num:(i + 1) * num], : p.shape[1]], widths[i])
                             for i, p in enumerate(proposals)])
-    return expected, proposals
+    return Simulation(expected, proposals, from_teacher)
+
+
+def captured_block_logits(
+    record: SequenceRecord,
+    anchors: torch.Tensor,  # [U]
+    drafts: torch.Tensor,  # [U, W] greedy blocks, zero beyond each one's width
+    widths: torch.Tensor,  # [U] positions read per block
+    vocab_size: int,
+) -> torch.Tensor | None:
+    """[U, W, vocab] the target's log-probabilities at each block's drafted positions, read from the
+    record's captured top-k rows (``capture.teacher_top_k``, the served target's own verification), or
+    None when one is missing. Position j of a block at anchor a is conditioned on tokens[:a+1] + d_<j:
+    the row of sequence position a + j - 1 (``records.path_rows``: plain steps and logged blocks' rows
+    on the sequence) when d_<j are the record's own next tokens, else row j - 1 of the logged block at a
+    whose first j - 1 drafts are d_<j. Rows beyond a block's width (never read) repeat its last one.
+    Rebuilt as replay does (``replay.captured_rows_logits``: the tail mass spread uniformly), so the
+    acceptance probabilities at T > 0 carry the top-k truncation error (benchmarks/gate_cost.py measures
+    it against the forward); with bfloat16 serving, they are the bfloat16 target's."""
+    path = path_rows(record)
+    logged: dict[int, BlockRecord] = {}
+    for block in record.blocks:
+        if block.teacher is not None:
+            logged.setdefault(block.anchor, block)
+    tokens, rows = record.tokens, []
+    for anchor, draft, width in zip(anchors.tolist(), drafts.tolist(), widths.tolist()):
+        for n in range(drafts.shape[1]):  # the row of drafted position n + 1, after the prefix d_<=n
+            if n >= width:
+                rows.append(rows[-1])
+                continue
+            prefix = draft[:n]
+            row = path.get(anchor + n) if list(tokens[anchor + 1: anchor + 1 + n]) == prefix else None
+            block = logged.get(anchor)
+            if row is None and block is not None and n <= len(block.draft_tokens) \
+                    and list(block.draft_tokens[:n]) == prefix:
+                row = (block.teacher.token_ids[n], block.teacher.logprobs[n])
+            if row is None:
+                return None
+            rows.append(row)
+    return captured_rows_logits(rows, vocab_size, anchors.device).view(*drafts.shape, vocab_size)
 
 
 def greedy_accepted(
@@ -318,12 +385,12 @@ def most_recent(records: Sequence[SequenceRecord], count: int) -> list[SequenceR
     return [records[i] for i in order[-count:]] if count > 0 else []
 
 
-@torch.no_grad()
 def _simulation_inputs(rec: SequenceRecord) -> tuple:
     """What ``evaluate_gate``'s simulation of a record depends on: equal inputs, equal expectations."""
     return (rec.tokens, rec.prompt_len, rec.temperature, rec.top_p, rec.top_k, rec.blocks, rec.hidden)
 
 
+@torch.no_grad()
 def evaluate_gate(
     target: TargetModel,
     candidate,
@@ -344,8 +411,8 @@ def evaluate_gate(
     start = time.perf_counter()
     cap = max_blocks_per_record or cfg.max_blocks_per_record
     by_prompt: dict[bytes, list[float]] = {}
-    sums, n_blocks, n_walked = [0.0, 0.0], 0, 0
-    scored: dict[tuple, torch.Tensor | None] = {}  # a record's inputs -> its [2, M] expectations
+    sums, n_blocks, n_walked, n_teacher = [0.0, 0.0], 0, 0, 0
+    scored: dict[tuple, Simulation | None] = {}  # a record's inputs -> its simulation
     for rec in tqdm(most_recent(records, cfg.max_records), desc="gate", unit="rec", disable=not progress):
         is_walked = not rec.blocks
         inputs = _simulation_inputs(rec)
@@ -355,10 +422,11 @@ def evaluate_gate(
             scored[inputs] = None if not blocks else simulate_record(
                 target, (candidate, serving), rec, [b.anchor for b in blocks], [b.drafted_width for b in blocks],
                 captured_features=cfg.captured_features, greedy_from_tokens=rec.temperature == 0,
-            )[0].double().cpu()  # [2, M]
-        expected = scored[inputs]
-        if expected is None:
+                captured_teacher=cfg.captured_teacher)
+        if scored[inputs] is None:
             continue
+        expected = scored[inputs].expected.double().cpu()  # [2, M]
+        n_teacher += scored[inputs].from_teacher
         sums = [sums[0] + float(expected[0].sum()), sums[1] + float(expected[1].sum())]
         n_blocks += expected.shape[1]
         n_walked += is_walked
@@ -381,5 +449,5 @@ def evaluate_gate(
         n_records=n_records, n_blocks=n_blocks, tau_candidate=tau_c, tau_serving=tau_s,
         diff_mean=tau_c - tau_s, record_diff_mean=mean, record_diff_stderr=stderr, record_diff_lower=lower,
         confidence=cfg.confidence, margin=cfg.margin, passed=passed, reason=reason,
-        seconds=time.perf_counter() - start, n_records_walked=n_walked, n_prompts=n,
+        seconds=time.perf_counter() - start, n_records_walked=n_walked, n_prompts=n, n_records_teacher=n_teacher,
     )
