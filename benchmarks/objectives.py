@@ -3,7 +3,8 @@
 From a bootstrap drafter: target rollouts with vLLM on training prompts the
 bootstrap did not see (`data.seed=1`, `data.num_prompts=96` unless
 overridden) and on `--num-held-out` held-out prompts (never trained on),
-both cached under --out. Records = the bootstrap's greedy T=0 blocks on the
+both cached under --out (each cache folder stamped with the data settings that made it, `data.json`:
+a later run whose settings differ stops instead of reusing it). Records = the bootstrap's greedy T=0 blocks on the
 training rollouts. Every arm trains from the bootstrap with
 `trainer.seed = seed`: the Draft-OPD variants (draft_opd; its paper-style
 batch pooling vs `loss_pooling: sequence`; `first_rejected_only`) and
@@ -57,12 +58,35 @@ OPD_ARMS = {  # trainer-config updates of the arms trained on the bootstrap's re
 ARMS = (*OPD_ARMS, "sft")
 
 
+CACHE_STAMP = "data.json"
+
+
+def checked_cache(folder: Path, cfg, target: Path, split: str) -> None:
+    """Stamp a new cache folder with what decides its rollouts (the target, the split, the data
+    section); stop with a clear error when an existing stamp says other settings made it. A folder
+    holding rollouts but no stamp (written before stamps) is used with a warning."""
+    stamp = {"target": str(target), "split": split, "data": cfg.data.model_dump(mode="json")}
+    path = folder / CACHE_STAMP
+    if path.exists():
+        made = json.loads(path.read_text())
+        if made != stamp:
+            raise SystemExit(f"{folder} caches rollouts made with {made}, not with {stamp}: "
+                             "pass another --out (or delete that folder)")
+    elif any(folder.glob("*.safetensors")):
+        logging.warning("%s holds rollouts without %s (written before stamps): assuming they match %s",
+                        folder, CACHE_STAMP, stamp)
+    else:
+        folder.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(stamp, indent=2) + "\n")
+
+
 def held_out_sequences(cfg, target: Path, folder: Path, num_prompts: int, layer_ids) -> list:
     """Greedy target rollouts on `num_prompts` held-out prompts with their target features, cached."""
+    held_cfg = apply_overrides(cfg, [f"data.num_prompts={num_prompts}"])
+    checked_cache(folder, held_cfg, target, "held_out")
     features = folder / "sequences.safetensors"
     if features.exists():
         return load_sequences(features, layer_ids)
-    held_cfg = apply_overrides(cfg, [f"data.num_prompts={num_prompts}"])
     sequences = generate_rollouts(held_cfg, target, split="held_out")
     compute_aux_hidden(TargetModel.from_pretrained(target, dtype=torch.float32), sequences, tuple(layer_ids), desc="held-out features")
     folder.mkdir(parents=True, exist_ok=True)
@@ -160,6 +184,7 @@ def main() -> None:
     target = resolve_target(cfg)
     boot, _ = load_serving_drafter(args.bootstrap / "drafter", target)
     layer_ids = boot.target_layer_ids
+    checked_cache(args.out / "train", cfg, target, "train")
     sequences = prepare_sequences(cfg, target, args.out / "train", layer_ids)
     held = held_out_sequences(cfg, target, args.out / "held_out", args.num_held_out, layer_ids)
     records = block_records(boot, sequences)

@@ -42,3 +42,25 @@ def test_parse_setting():
     assert objective_sweep.parse_setting("lr1e-3=trainer.lr=1e-3,trainer.gamma=1") == (
         "lr1e-3", ["trainer.lr=1e-3", "trainer.gamma=1"])
     assert objective_sweep.parse_setting("default=") == ("default", [])
+
+
+def test_objectives_refuses_a_cache_made_with_other_data_settings(tmp_path, caplog):
+    """objectives.py caches rollouts under --out; a run with other data settings (here
+    data.num_prompts) stops with both settings named instead of silently reusing them."""
+    import objectives  # noqa: PLC0415 (heavy: the serving pipeline)
+
+    from online_opd.config import apply_overrides, load_config  # noqa: PLC0415
+
+    cfg = load_config(Path(__file__).resolve().parents[1] / "configs" / "default.yaml")
+    folder = tmp_path / "train"
+    objectives.checked_cache(folder, cfg, Path("model"), "train")
+    stamp = (folder / objectives.CACHE_STAMP).read_text()
+    objectives.checked_cache(folder, cfg, Path("model"), "train")  # the same settings: reused
+    with pytest.raises(SystemExit, match="'num_prompts': 32"):
+        objectives.checked_cache(folder, apply_overrides(cfg, ["data.num_prompts=32"]), Path("model"), "train")
+    assert (folder / objectives.CACHE_STAMP).read_text() == stamp
+    legacy = tmp_path / "old"
+    legacy.mkdir()
+    (legacy / "sequences.safetensors").write_bytes(b"")
+    objectives.checked_cache(legacy, cfg, Path("model"), "train")
+    assert "without data.json" in caplog.text and not (legacy / objectives.CACHE_STAMP).exists()
