@@ -126,6 +126,7 @@ def run_arm(name: str, objective: str, args, bootstrap_dir: Path, out: Path) -> 
                  f"serve.speculation={args.speculation}"]
     if args.capture_features:
         overrides += ["capture.teacher_top_k=32", "capture.hidden_sample_rate=1.0"]
+    overrides += args.set
     server = ServerProcess(run_dir, args.config, *[x for o in overrides for x in ("-o", o)],
                            "--max-num-seqs", "8", token="domain-shift")
     stop = threading.Event()
@@ -260,6 +261,9 @@ def main() -> int:
                         "(the most the trainer has to keep up with); auto = the product's policy")
     p.add_argument("--capture-features", action="store_true",
                    help="capture the verifier's top-32 and the target's features for every request")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                   help="a further config override of every online arm, after the benchmark's own (repeatable); "
+                        "recorded in the JSON's `set`, which domain_shift_seeds.py requires equal across pooled runs")
     p.add_argument("--temperature", type=float, default=0.0,
                    help="sampling temperature of the traffic (no per-request seed: every repeat of a prompt is "
                         "a fresh sample); the held-out evaluation stays exact at T=0")
@@ -291,7 +295,7 @@ def main() -> int:
                                                  for p in arm["timeline"]])
     plot(static_tau, arms, args.out / "domain_shift.png")
     result = {"command": " ".join(sys.argv), "commit": commit, "code_version": code, "seed": args.seed, "capture_features": args.capture_features,
-              "speculation": args.speculation, "traffic": traffic_name(args.temperature),
+              "speculation": args.speculation, "traffic": traffic_name(args.temperature), "set": args.set,
               "held_out_prompts": len(rollouts), "max_tokens": args.max_tokens,
               "static_tau": static_tau, "steps_per_arm": args.steps, "minutes_per_arm": args.minutes,
               "arms": [{k: v for k, v in a.items() if k != "history"} for a in arms],

@@ -31,7 +31,7 @@ from pathlib import Path
 from intervals import t_interval  # sibling module: benchmarks/ leads sys.path
 
 SHARED = ("static_tau", "held_out_prompts", "max_tokens", "speculation", "capture_features", "minutes_per_arm",
-          "traffic")
+          "traffic", "set")
 FIRST_TRAFFIC = "humaneval-train-first-16"  # runs without a `traffic` field: the same 16 prompts all along
 
 
@@ -40,6 +40,7 @@ def settings(run: dict) -> dict:
     `minutes_per_arm` field (the script's default then: 14), and FIRST_TRAFFIC for runs before `traffic`."""
     out = {k: run.get(k) for k in SHARED}
     out["traffic"] = out["traffic"] or FIRST_TRAFFIC
+    out["set"] = out["set"] or []  # runs before `--set`: none
     if out["minutes_per_arm"] is None:
         found = re.search(r"--minutes[ =](\S+)", run.get("command") or "")
         out["minutes_per_arm"] = float(found.group(1)) if found else 14.0

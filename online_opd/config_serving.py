@@ -243,6 +243,13 @@ class GateConfig(StrictModel):
         True, description="Give both drafters the target features a record carries (capture.hidden_sample_rate) "
                           "instead of a target forward over its context: the features the served drafter saw. "
                           "false: always recompute them.")
+    max_time_share: float = Field(
+        1.0, gt=0, le=1,
+        description="Most share of the online trainer's working seconds (its steps plus its gates) the gate "
+                    "may take: a gate falling due every `every_steps` steps waits, the trainer stepping on, "
+                    "until its seconds so far are at most this share of the two together. The gate runs in "
+                    "the trainer's thread, and at T > 0 (a target forward per held-out record) or with a large "
+                    "target it can take most of that time. 1 = gate whenever due.")
     captured_teacher: bool = Field(
         True, description="Verify a T > 0 record's blocks on its captured top-k rows (capture.teacher_top_k: "
                           "the served target's own verification, the tail spread uniformly) when they hold "

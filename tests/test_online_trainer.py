@@ -202,6 +202,21 @@ def test_run_gates_publishes_and_resumes(world, tmp_path):
     assert [r.record_id for r in small.pools.window] == [r.record_id for r in train[-3:]]
 
 
+def test_the_gate_keeps_to_its_share_of_the_trainers_time(world, tmp_path):
+    """gate.max_time_share: a gate falls due every step here; with a share of 1 each one runs, with a tiny
+    share only the first (no gate seconds yet) and every later due point is deferred, the trainer stepping
+    on. The seconds are counted in the stats either way."""
+    counts = {}
+    for share in (1.0, 1e-6):
+        cfg = online_config(max_steps=5)
+        cfg.gate.every_steps, cfg.gate.max_time_share = 1, share
+        cfg.gate.margin = float(K)  # every candidate rejected: the serving drafter stays v0001
+        final = OnlineTrainer(cfg, **setup_run(world, tmp_path / str(share))).run(threading.Event())
+        assert final["steps"] == 5 and final["errors"] == 0 and final["gate_seconds"] > 0
+        counts[share] = (final["gates"], final["gates_deferred"])
+    assert counts == {1.0: (5, 0), 1e-6: (1, 4)}
+
+
 def test_lr_warms_up_linearly_then_stays_constant_across_a_resume(world, tmp_path):
     paths = setup_run(world, tmp_path)
     cfg = online_config()

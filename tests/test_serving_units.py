@@ -203,7 +203,7 @@ def test_prometheus_series_from_status_and_trainer():
                                                            "record_diff_lower": 0.05},
                "rest_seconds": 30.5, "engines_idle": True, "restarts": {"actor": 2, "ray": 1},
                "objective": "target_rollout", "objective_switches": 2, "first_position_acceptance": 0.375,
-               "trained_tokens": 700, "fresh_records": 3}
+               "trained_tokens": 700, "fresh_records": 3, "gate_seconds": 8.25, "gates_deferred": 4}
     registry.register(PolledCollector(lambda: status))
     registry.register(TrainerCollector(lambda: trainer))
     text = generate_latest(registry).decode()
@@ -219,7 +219,8 @@ def test_prometheus_series_from_status_and_trainer():
                  "online_opd_trainer_engines_idle 1.0", 'online_opd_trainer_objective{objective="target_rollout"} 1.0',
                  "online_opd_trainer_objective_switches_total 2.0",
                  "online_opd_trainer_first_position_acceptance 0.375", "online_opd_trainer_trained_tokens_total 700.0",
-                 "online_opd_trainer_fresh_records 3.0"]:
+                 "online_opd_trainer_fresh_records 3.0", "online_opd_trainer_gate_seconds_total 8.25",
+                 "online_opd_gate_deferrals_total 4.0"]:
         assert line in text, line
     down = CollectorRegistry()
     down.register(TrainerCollector(lambda: None))

@@ -185,6 +185,11 @@ class TrainerCollector(Collector):
              "Served tokens the trainer's steps learnt from: r + 1 per replayed block (twice if replayed "
              "twice). Against vllm:generation_tokens_total: whether the trainer keeps up with the traffic."),
             ("train_seconds", "trainer_step_seconds", "Seconds spent in optimizer steps (replay + update)."),
+            ("gate_seconds", "trainer_gate_seconds",
+             "Seconds the trainer spent in gate evaluations (gate.max_time_share bounds their share)."),
+            ("gates_deferred", "gate_deferrals",
+             "Gates due every gate.every_steps steps that waited, the trainer stepping on, to keep the gate "
+             "within gate.max_time_share of the trainer's working seconds."),
             ("rest_seconds", "trainer_rest_seconds",
              "Seconds the trainer rested to keep to its duty cycle (online.duty_cycle, idle_duty_cycle)."),
             ("records_seen", "trainer_records_seen", "Buffer records read by the trainer."),

@@ -118,10 +118,11 @@ class OnlineTrainer:
         self._lock = threading.Lock()
         self.load = EngineLoad(cfg.online.idle_after_s)
         self._saved_step = -1
+        self._gate_due = False
         self._stats: dict[str, Any] = {
             "status": "waiting_for_data", **{k: 0 for k in _COUNTERS}, "loss": None, "loss_accepted": None,
             "loss_rejected": None, "lr": None, "grad_norm": None, "step_seconds": None, "train_seconds": 0.0,
-            "rest_seconds": 0.0, "last_gate": None, "last_published": None, "last_error": None,
+            "rest_seconds": 0.0, "gate_seconds": 0.0, "gates_deferred": 0, "last_gate": None, "last_published": None, "last_error": None,
             "trained_from": current.version, "objective": self.schedule.current if self.schedule else tcfg.objective,
             "objective_switches": 0, "first_position_acceptance": None,
         }
@@ -451,15 +452,35 @@ class OnlineTrainer:
                 self._stats["status"] = "waiting_for_data"
 
     def gate_and_checkpoint(self) -> None:
-        """After a step: the gate every ``gate.every_steps`` steps, a save every ``online.checkpoint_every``."""
+        """After a step: the gate every ``gate.every_steps`` steps, or at the first step after that where it
+        keeps within ``gate.max_time_share`` (``gate_within_budget``); a save every ``online.checkpoint_every``."""
+        within = self.gate_within_budget()
         if self.step_count % self.cfg.gate.every_steps == 0:
+            self._gate_due = True
+            if not within:  # a due point passed without a gate (counted once, however many follow)
+                with self._lock:
+                    self._stats["gates_deferred"] += 1
+        if self._gate_due and within:
+            self._gate_due = False
+            start = time.perf_counter()
             try:
-                self.gate()
+                try:
+                    self.gate()
+                finally:
+                    with self._lock:
+                        self._stats["gate_seconds"] += time.perf_counter() - start
                 self.save()
             except Exception as exc:
                 self.record_error("gate", exc)
         if self.step_count % self.cfg.online.checkpoint_every == 0 and self._saved_step != self.step_count:
             self.save()
+
+    def gate_within_budget(self) -> bool:
+        """Whether the gate's seconds so far are at most ``gate.max_time_share`` of the trainer's working
+        seconds (optimizer steps plus gates, this process)."""
+        with self._lock:
+            gate_s, train_s = self._stats["gate_seconds"], self._stats["train_seconds"]
+        return gate_s <= self.cfg.gate.max_time_share * (train_s + gate_s)
 
     def finish(self) -> None:
         """Save the state on the way out of the loop; status "stopped"."""
