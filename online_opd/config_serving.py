@@ -285,6 +285,12 @@ class OnlineConfig(StrictModel):
                     "with captured features). 0 = never: "
                     "such records train on their logged blocks only; 1 = whenever a decode step did not "
                     "speculate.")
+    ema_decay: float = Field(
+        0.995, ge=0, lt=1,
+        description="The gate scores, and the registry publishes, an exponential moving average of the trained "
+                    "weights (online_opd/train/ema.py), training going on from the weights themselves: after n "
+                    "steps since the trainer started from a version the average keeps min(ema_decay, "
+                    "(1 + n) / (10 + n)) of itself at each step. 0 = the trained weights themselves.")
     poll_s: float = Field(2.0, gt=0, description="Seconds between buffer tails (and the wait when idle).")
     settle_s: float = Field(
         1.0, ge=0, description="Segments younger than this are left for the next tail (several writers).")

@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from online_opd.config import TrainerConfig
+from online_opd.models.drafters.checkpoint import load_drafter
 from online_opd.models.target_model import TargetModel
 from online_opd.opd.specdec import target_generate
 from online_opd.release.gate import split_held_out
@@ -215,6 +216,37 @@ def test_the_gate_keeps_to_its_share_of_the_trainers_time(world, tmp_path):
         assert final["steps"] == 5 and final["errors"] == 0 and final["gate_seconds"] > 0
         counts[share] = (final["gates"], final["gates_deferred"])
     assert counts == {1.0: (5, 0), 1e-6: (1, 4)}
+
+
+def test_the_gate_scores_and_publishes_the_weight_average_and_training_goes_on_from_the_weights(world, tmp_path):
+    """online.ema_decay 0.15: the candidate the gate scores and the registry publishes is the moving average of
+    the weights after each step (it keeps 0.1 of itself at the first update, then the cap 0.15); the trainer's
+    own weights come back after the gate, and a resumed trainer has the same average."""
+    paths = setup_run(world, tmp_path)
+    cfg = online_config(ema_decay=0.15)
+    cfg.gate.margin = float(K)  # rejected: v0001 keeps serving
+    trainer = OnlineTrainer(cfg, **paths)
+    trainer.poll()
+    names = list(trainer.average.average)
+    expected = {k: v for k, v in _weights(trainer).items() if k in names}
+    for decay in (0.1, 0.15, 0.15):
+        trainer.step()
+        expected = {k: decay * v + (1 - decay) * _weights(trainer)[k] for k, v in expected.items()}
+    own = _weights(trainer)
+    assert any(not torch.allclose(own[k], expected[k], atol=1e-4) for k in names)  # the two differ here
+
+    summary = trainer.gate()
+    assert summary["status"] == "rejected"
+    published = DrafterRegistry(paths["registry_dir"]).get(summary["version"])
+    weights = load_drafter(published.path).state_dict()
+    for name in names:
+        torch.testing.assert_close(weights[name], expected[name], rtol=0, atol=1e-6)
+    assert published.metrics["average"] == {"decay": 0.15, "updates": 3}
+    assert all(torch.equal(v, own[k]) for k, v in _weights(trainer).items())  # trains on from its weights
+    trainer.save()
+    resumed = OnlineTrainer(cfg, **paths)
+    assert resumed.average.num_updates == 3
+    assert all(torch.equal(resumed.average.average[k], v) for k, v in trainer.average.average.items())
 
 
 def test_lr_warms_up_linearly_then_stays_constant_across_a_resume(world, tmp_path):

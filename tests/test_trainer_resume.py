@@ -108,6 +108,8 @@ def test_online_trainer_resyncs_to_current_after_a_rollback(world, tmp_path):
     weights = trainer.drafter.state_dict()
     assert all(torch.equal(weights[k], served[k]) for k in served)
     assert not trainer.optimizer.state and trainer.scheduler.last_epoch == 0
+    assert trainer.average.num_updates == 0  # the weight average starts over from the served weights too
+    assert all(torch.equal(v, served[k]) for k, v in trainer.average.average.items())
     stats = trainer.stats()
     assert stats["trained_from"] == "v0001" and stats["resyncs"] == 1
     assert trainer.sync_with_registry() is False

@@ -22,18 +22,19 @@ Schedule. AdamW (train/optim.py) with a linear warm-up over ``round(trainer.warm
 trainer.num_steps)`` steps, then a constant ``trainer.lr``: an endless run has no horizon to decay over,
 and a decayed rate would stop the drafter from following drift in the traffic; the gate guards the servers.
 
-Gate and publish. Every ``gate.every_steps`` steps the trainer's drafter is compared with the registry's
-current one on the held-out pool (``gate.evaluate_gate``), published as a new registry version whose parent
-is the serving version (manifest metrics: the gate's figures, the objective and the last step's figures),
-then promoted when the gate passed or rejected with the gate's reason. The trainer keeps its own weights
-either way: after a promotion they are the served ones; after a rejection further training may still pass a
-later gate. The gate runs between steps in the training thread: no copy of the weights. When the registry's
+Gate and publish. Every ``gate.every_steps`` steps the candidate, the moving average of the trained weights
+(``online.ema_decay``, train/ema.py; the weights themselves at 0), is compared with the registry's current
+drafter on the held-out pool (``gate.evaluate_gate``), published as a new registry version whose parent is
+the serving version (manifest metrics: the gate's figures, the objective, the last step's figures and the
+average's), then promoted when the gate passed or rejected with the gate's reason. Training goes on from the
+trained weights either way: after a rejection further training may still pass a later gate. The gate runs
+between steps in the training thread, the average copied into the drafter and back. When the registry's
 CURRENT is anything but the version the weights descend from (``trained_from``: the version started from, or
 the trainer's own last promoted one), because the reloader rolled back or someone promoted by hand,
 ``sync_with_registry`` (at start-up and before every buffer poll) reloads the drafter from CURRENT with a
-fresh optimizer and schedule, so training never continues from weights the servers turned away.
+fresh optimizer, schedule and average, so training never continues from weights the servers turned away.
 
-State. ``save`` writes the drafter, AdamW, schedule, step, RNG, the buffer cursor and the counters to
+State. ``save`` writes the drafter, its average, AdamW, schedule, step, RNG, the buffer cursor and the counters to
 ``state_dir`` (train/state.py: tmp + fsync + rename). A new ``OnlineTrainer`` on the same ``state_dir``
 resumes from it: the weights come from the state, not from the registry, and the pools are rebuilt up to the
 saved cursor (``RecordPools.resume``: those records count as trained on). The counters go on; ``max_steps``
@@ -69,6 +70,7 @@ from online_opd.opd.losses import LOSSES
 from online_opd.release.gate import evaluate_gate
 from online_opd.release.registry import DrafterRegistry
 from online_opd.traces.records import SequenceRecord
+from online_opd.train.ema import WeightAverage
 from online_opd.train.load import EngineLoad
 from online_opd.train.online_dp import new_optimizer, replay_update
 from online_opd.train.opd import objective_fn, objective_schedule, plan_replay, replayable_blocks
@@ -108,6 +110,7 @@ class OnlineTrainer:
         self.block_size = self.drafter.cfg.block_size
         tcfg = cfg.trainer
         self.optimizer, self.scheduler = self._new_optimizer()
+        self.average = WeightAverage(self.drafter, cfg.online.ema_decay)
         self.schedule = objective_schedule(tcfg)  # None: the fixed trainer.objective
         self._objectives: dict[str, Callable] = {}
         self._logged_switches = 0
@@ -207,6 +210,7 @@ class OnlineTrainer:
                 self.cfg.trainer, generator=self.generator, device=self.device)
         except FloatingPointError as exc:  # never step into NaN weights
             raise FloatingPointError(f"{exc} at step {self.step_count + 1}") from exc
+        self.average.update(self.drafter)
         num_tokens = replayed.num_replayed_tokens
         # the served tokens this step learnt from, those its replayed blocks emitted (sum of r + 1): against
         # the server's generated tokens, whether the trainer keeps up with the traffic
@@ -240,21 +244,22 @@ class OnlineTrainer:
         if current is None:
             raise RuntimeError(f"registry {self.registry.root} has no current drafter to gate against")
         serving = self._load_drafter(current.path)
-        self.drafter.eval()
-        try:
-            result = evaluate_gate(self.target, self.drafter, serving, list(self.pools.held_out),
-                                   self.cfg.gate)
-        finally:
-            self.drafter.train()
         with self._lock:
             last_step = {k: self._stats[k] for k in ("loss", "loss_accepted", "loss_rejected", "lr")}
             objective = self._stats["objective"]
-        metrics = {"gate": result.to_dict(), "objective": self.cfg.trainer.objective, "train": last_step}
+        metrics = {"objective": self.cfg.trainer.objective, "train": last_step,
+                   "average": {"decay": self.average.decay, "updates": self.average.num_updates}}
         if self.schedule is not None:  # which of the two trained last, and on what acceptance
             metrics["objective_schedule"] = {"current": objective, "switches": len(self.schedule.switches),
                                              "first_position_acceptance": self.schedule.first_position_acceptance()}
-        info = self.registry.publish(self.drafter, parent=current.version, step=self.step_count,
-                                     metrics=metrics)
+        with self.average.applied_to(self.drafter) as candidate:
+            candidate.eval()
+            try:
+                result = evaluate_gate(self.target, candidate, serving, list(self.pools.held_out), self.cfg.gate)
+                info = self.registry.publish(candidate, parent=current.version, step=self.step_count,
+                                             metrics={"gate": result.to_dict(), **metrics})
+            finally:
+                candidate.train()
         figures = (f"tau {result.tau_candidate:.3f} vs {result.tau_serving:.3f} ({current.version}) "
                    f"over {result.n_blocks} blocks")
         if result.passed:
@@ -300,10 +305,11 @@ class OnlineTrainer:
         return True
 
     def _restart_from(self, version) -> None:
-        """Train on from registry ``version``'s weights with a fresh optimizer and schedule."""
+        """Train on from registry ``version``'s weights with a fresh optimizer, schedule and average."""
         self.drafter = self._load_drafter(version.path)
         self.block_size = self.drafter.cfg.block_size
         self.optimizer, self.scheduler = self._new_optimizer()
+        self.average = WeightAverage(self.drafter, self.cfg.online.ema_decay)
         self._weights_replaced = True
         with self._lock:
             self._stats["trained_from"] = version.version
@@ -324,7 +330,7 @@ class OnlineTrainer:
         with self._lock:
             kept = (*_COUNTERS, "last_gate", "last_published", "trained_from")
             counters = {k: self._stats[k] for k in kept}
-        extra = {"cursor": self.pools.cursor, "counters": counters}
+        extra = {"cursor": self.pools.cursor, "counters": counters, "average": self.average.state_dict()}
         if self.schedule is not None:
             extra["objective_schedule"] = self.schedule.state_dict()
         path = save_state(self.state_dir, step=self.step_count, drafter=self.drafter,
@@ -344,6 +350,7 @@ class OnlineTrainer:
                                "remove the state to start from the registry's current drafter") from exc
         extra = state.get("extra", {})
         self.step_count = int(state["step"])
+        self._resume_average(extra.get("average"))
         with self._lock:
             self._stats.update(extra.get("counters", {}), steps=self.step_count)
             if self.step_count:
@@ -354,6 +361,17 @@ class OnlineTrainer:
         self._saved_step = self.step_count
         logger.info("online trainer resumed at step %d (%d train, %d held-out records)",
                     self.step_count, len(self.pools.window), len(self.pools.held_out))
+
+    def _resume_average(self, state: dict | None) -> None:
+        """The saved moving average; from a state without one (or of other parameters), it starts over
+        from the resumed weights."""
+        self.average.reset(self.drafter)
+        if state is None:
+            return
+        try:
+            self.average.load_state_dict(state)
+        except (ValueError, KeyError) as exc:
+            logger.warning("online trainer: saved weight average not resumed (%s); it starts over", exc)
 
     def _resume_schedule(self, state: dict | None, records: list[SequenceRecord]) -> None:
         """The objective schedule from the state file; from a state without one (saved with a fixed
