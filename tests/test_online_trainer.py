@@ -247,6 +247,8 @@ def test_the_gate_scores_and_publishes_the_weight_average_and_training_goes_on_f
     resumed = OnlineTrainer(cfg, **paths)
     assert resumed.average.num_updates == 3
     assert all(torch.equal(resumed.average.average[k], v) for k, v in trainer.average.average.items())
+    off = OnlineTrainer(online_config(ema_decay=0.0), **paths)  # resumed with the average off: the weights
+    assert off.average.num_updates == 0 and all(torch.equal(v, own[k]) for k, v in off.average.average.items())
 
 
 def test_lr_warms_up_linearly_then_stays_constant_across_a_resume(world, tmp_path):

@@ -363,10 +363,10 @@ class OnlineTrainer:
                     self.step_count, len(self.pools.window), len(self.pools.held_out))
 
     def _resume_average(self, state: dict | None) -> None:
-        """The saved moving average; from a state without one (or of other parameters), it starts over
-        from the resumed weights."""
+        """The saved moving average; from a state without one (or of other parameters), or with
+        ``online.ema_decay`` 0 now, it starts over from the resumed weights."""
         self.average.reset(self.drafter)
-        if state is None:
+        if state is None or self.average.decay == 0:
             return
         try:
             self.average.load_state_dict(state)
