@@ -22,17 +22,12 @@ Schedule. AdamW (train/optim.py) with a linear warm-up over ``round(trainer.warm
 trainer.num_steps)`` steps, then a constant ``trainer.lr``: an endless run has no horizon to decay over,
 and a decayed rate would stop the drafter from following drift in the traffic; the gate guards the servers.
 
-Gate and publish. Every ``gate.every_steps`` steps the candidate, the moving average of the trained weights
-(``online.ema_decay``, train/ema.py; the weights themselves at 0), is compared with the registry's current
-drafter on the held-out pool (``gate.evaluate_gate``), published as a new registry version whose parent is
-the serving version (manifest metrics: the gate's figures, the objective, the last step's figures and the
-average's), then promoted when the gate passed or rejected with the gate's reason. Training goes on from the
-trained weights either way: after a rejection further training may still pass a later gate. The gate runs
-between steps in the training thread, the average copied into the drafter and back. When the registry's
-CURRENT is anything but the version the weights descend from (``trained_from``: the version started from, or
-the trainer's own last promoted one), because the reloader rolled back or someone promoted by hand,
-``sync_with_registry`` (at start-up and before every buffer poll) reloads the drafter from CURRENT with a
-fresh optimizer, schedule and average, so training never continues from weights the servers turned away.
+Gate and publish (train/gating.py, ``GateAndPublish``). Every ``gate.every_steps`` steps the moving average of
+the trained weights (``online.ema_decay``) is gated against the registry's current drafter on the held-out pool,
+published, and promoted or rejected; training goes on from the trained weights either way. When the registry's
+CURRENT is anything but the version the weights descend from (``trained_from``), because the reloader rolled
+back or someone promoted by hand, ``sync_with_registry`` (at start-up and before every buffer poll) reloads the
+drafter from CURRENT with a fresh optimizer, schedule and average.
 
 State. ``save`` writes the drafter, its average, AdamW, schedule, step, RNG, the buffer cursor and the counters to
 ``state_dir`` (train/state.py: tmp + fsync + rename). A new ``OnlineTrainer`` on the same ``state_dir``
@@ -67,10 +62,10 @@ from online_opd.config import OnlineOPDConfig
 from online_opd.models.drafters.checkpoint import load_drafter
 from online_opd.models.target_model import TargetModel
 from online_opd.opd.losses import LOSSES
-from online_opd.release.gate import evaluate_gate
 from online_opd.release.registry import DrafterRegistry
 from online_opd.traces.records import SequenceRecord
 from online_opd.train.ema import WeightAverage
+from online_opd.train.gating import GateAndPublish
 from online_opd.train.load import EngineLoad
 from online_opd.train.online_dp import new_optimizer, replay_update
 from online_opd.train.opd import objective_fn, objective_schedule, plan_replay, replayable_blocks
@@ -83,8 +78,9 @@ _COUNTERS = ("steps", "replayed_tokens", "trained_tokens", "records_seen", "reco
              "records_simulated", "gates", "promotions", "rejections", "errors", "resyncs")
 
 
-class OnlineTrainer:
+class OnlineTrainer(GateAndPublish):
     """Draft-OPD on live traffic: ``poll`` the buffer, ``step``, ``gate`` and publish, ``save``; or ``run``.
+    The gate, the registry and restarts from a served version are train/gating.py's ``GateAndPublish``.
 
     Not thread-safe except ``stats``, which another thread may call while ``run`` trains.
     """
@@ -232,93 +228,6 @@ class OnlineTrainer:
                         self.step_count, stats["loss"], stats["loss_accepted"], stats["loss_rejected"],
                         num_tokens, stats["seconds"])
         return stats
-
-    # ---- gate and publish -------------------------------------------------------------------------
-
-    def gate(self) -> dict[str, Any]:
-        """Compare with the serving drafter on held-out records, publish, promote or reject.
-
-        Returns the gate's figures plus the published ``version`` and its ``status``.
-        """
-        current = self.registry.current()
-        if current is None:
-            raise RuntimeError(f"registry {self.registry.root} has no current drafter to gate against")
-        serving = self._load_drafter(current.path)
-        with self._lock:
-            last_step = {k: self._stats[k] for k in ("loss", "loss_accepted", "loss_rejected", "lr")}
-            objective = self._stats["objective"]
-        metrics = {"objective": self.cfg.trainer.objective, "train": last_step,
-                   "average": {"decay": self.average.decay, "updates": self.average.num_updates}}
-        if self.schedule is not None:  # which of the two trained last, and on what acceptance
-            metrics["objective_schedule"] = {"current": objective, "switches": len(self.schedule.switches),
-                                             "first_position_acceptance": self.schedule.first_position_acceptance()}
-        with self.average.applied_to(self.drafter) as candidate:
-            candidate.eval()
-            try:
-                result = evaluate_gate(self.target, candidate, serving, list(self.pools.held_out), self.cfg.gate)
-                info = self.registry.publish(candidate, parent=current.version, step=self.step_count,
-                                             metrics={"gate": result.to_dict(), **metrics})
-            finally:
-                candidate.train()
-        figures = (f"tau {result.tau_candidate:.3f} vs {result.tau_serving:.3f} ({current.version}) "
-                   f"over {result.n_blocks} blocks")
-        if result.passed:
-            self.registry.promote(info.version, reason=f"gate passed at step {self.step_count}: "
-                                                       f"{result.reason}; {figures}")
-            status = "promoted"
-        else:
-            self.registry.reject(info.version, f"{result.reason}; {figures}")
-            status = "rejected"
-        summary = {**result.to_dict(), "version": info.version, "status": status, "step": self.step_count,
-                   "serving": current.version}
-        logger.info("online gate at step %d: %s %s (%s; %s)", self.step_count, info.version, status,
-                    result.reason, figures)
-        with self._lock:
-            self._stats["gates"] += 1
-            self._stats["promotions" if result.passed else "rejections"] += 1
-            self._stats["last_gate"] = summary
-            self._stats["last_published"] = info.version
-            if result.passed:  # the served weights are this trainer's own now
-                self._stats["trained_from"] = info.version
-        if self.schedule is not None and self.schedule.gate_outcome(self.step_count, result.passed,
-                                                                    result.tau_candidate - result.tau_serving):
-            logger.warning("online trainer: %d gates on %s promoted nothing and its candidates scored no better "
-                           "than %s; back to %s from %s's weights", self.schedule.trial_gates,
-                           self.schedule.strong, current.version, self.schedule.weak, current.version)
-            self._restart_from(current)
-        return summary
-
-    def sync_with_registry(self) -> bool:
-        """Start again from the registry's CURRENT when it is not the version these weights descend
-        from (``trained_from``): a rollback, or a promote by hand. The drafter is reloaded from CURRENT
-        and the optimizer and schedule start fresh; returns whether that happened."""
-        current = self.registry.current()
-        with self._lock:
-            trained_from = self._stats["trained_from"]
-        if current is None or current.version == trained_from:
-            return False
-        self._restart_from(current)
-        with self._lock:
-            self._stats["resyncs"] += 1
-        logger.warning("online trainer: the registry serves %s, not %s that these weights came from; "
-                       "reloaded %s with a fresh optimizer", current.version, trained_from, current.version)
-        return True
-
-    def _restart_from(self, version) -> None:
-        """Train on from registry ``version``'s weights with a fresh optimizer, schedule and average."""
-        self.drafter = self._load_drafter(version.path)
-        self.block_size = self.drafter.cfg.block_size
-        self.optimizer, self.scheduler = self._new_optimizer()
-        self.average = WeightAverage(self.drafter, self.cfg.online.ema_decay)
-        self._weights_replaced = True
-        with self._lock:
-            self._stats["trained_from"] = version.version
-
-    def take_weights_replaced(self) -> bool:
-        """Whether the weights were replaced (a resync, a trial ended by the gate) since the last call:
-        data-parallel replicas must then receive them (train/online_dp.py)."""
-        replaced, self._weights_replaced = self._weights_replaced, False
-        return replaced
 
     def _new_optimizer(self) -> tuple[torch.optim.Optimizer, torch.optim.lr_scheduler.LambdaLR]:
         return new_optimizer(self.drafter, self.cfg.trainer)
@@ -468,37 +377,6 @@ class OnlineTrainer:
         with self._lock:
             if self._stats["status"] not in ("error", "waiting_for_idle_engines"):
                 self._stats["status"] = "waiting_for_data"
-
-    def gate_and_checkpoint(self) -> None:
-        """After a step: the gate every ``gate.every_steps`` steps, or at the first step after that where it
-        keeps within ``gate.max_time_share`` (``gate_within_budget``); a save every ``online.checkpoint_every``."""
-        within = self.gate_within_budget()
-        if self.step_count % self.cfg.gate.every_steps == 0:
-            self._gate_due = True
-            if not within:  # a due point passed without a gate (counted once, however many follow)
-                with self._lock:
-                    self._stats["gates_deferred"] += 1
-        if self._gate_due and within:
-            self._gate_due = False
-            start = time.perf_counter()
-            try:
-                try:
-                    self.gate()
-                finally:
-                    with self._lock:
-                        self._stats["gate_seconds"] += time.perf_counter() - start
-                self.save()
-            except Exception as exc:
-                self.record_error("gate", exc)
-        if self.step_count % self.cfg.online.checkpoint_every == 0 and self._saved_step != self.step_count:
-            self.save()
-
-    def gate_within_budget(self) -> bool:
-        """Whether the gate's seconds so far are at most ``gate.max_time_share`` of the trainer's working
-        seconds (optimizer steps plus gates, this process)."""
-        with self._lock:
-            gate_s, train_s = self._stats["gate_seconds"], self._stats["train_seconds"]
-        return gate_s <= self.cfg.gate.max_time_share * (train_s + gate_s)
 
     def finish(self) -> None:
         """Save the state on the way out of the loop; status "stopped"."""
