@@ -50,12 +50,8 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from online_opd.config import load_config  # noqa: E402
-from online_opd.opd.replay import (  # noqa: E402
-    TEACHER_TAILS,
-    replay_sequence,
-    teacher_truncation,
-    top_k_teacher,
-)
+from online_opd.opd.replay import TEACHER_TAILS, replay_sequence  # noqa: E402
+from online_opd.opd.teacher_rows import teacher_truncation, top_k_teacher  # noqa: E402
 from online_opd.traces.buffer import BufferReader  # noqa: E402
 from online_opd.traces.target_signal import TeacherTopK  # noqa: E402
 from online_opd.train.opd import choose_blocks, objective_fn, offline_objective, replayable_blocks  # noqa: E402

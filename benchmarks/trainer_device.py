@@ -35,7 +35,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from online_opd.config import TrainerConfig
 from online_opd.models.drafters.dflash import DFlashConfig, DFlashDrafter, init_weights
 from online_opd.models.target_model import TargetModel
-from online_opd.opd.replay import top_k_teacher
+from online_opd.opd.teacher_rows import top_k_teacher
 from online_opd.traces.records import BlockRecord, SequenceRecord
 from online_opd.traces.target_signal import TargetHidden
 from online_opd.train.loop import train

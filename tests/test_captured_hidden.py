@@ -14,9 +14,10 @@ import pytest
 import torch
 
 from online_opd.opd.losses import draft_opd_loss
-from online_opd.opd.replay import replay_sequence, sequence_aux, top_k_teacher
+from online_opd.opd.replay import replay_sequence, sequence_aux
 from online_opd.opd.rollout import simulated_record
 from online_opd.opd.specdec import target_generate
+from online_opd.opd.teacher_rows import top_k_teacher
 from online_opd.traces.buffer import SEGMENT_SCHEMA, BufferReader, decode_segment, encode_segment
 from online_opd.traces.records import BlockRecord, SequenceRecord
 from online_opd.traces.target_signal import TargetHidden

@@ -25,8 +25,8 @@ import torch
 
 from online_opd.config import TrainerConfig
 from online_opd.models.drafters.checkpoint import load_drafter
-from online_opd.opd.replay import top_k_teacher
 from online_opd.opd.rollout import simulated_record
+from online_opd.opd.teacher_rows import top_k_teacher
 from online_opd.release.registry import DrafterRegistry
 from online_opd.traces.target_signal import TargetHidden
 from online_opd.train.online import OnlineTrainer

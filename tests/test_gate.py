@@ -13,9 +13,9 @@ import pytest
 import torch
 
 from online_opd.config import GateConfig, TrainerConfig
-from online_opd.opd.replay import top_k_teacher
 from online_opd.opd.rollout import pooled_acceptance_length
 from online_opd.opd.specdec import processed_probs, speculative_generate, verify_greedy, verify_rejection
+from online_opd.opd.teacher_rows import top_k_teacher
 from online_opd.release import gate as gate_module
 from online_opd.release.gate import (
     evaluate_gate,

@@ -13,9 +13,10 @@ import pytest
 import torch
 
 from online_opd.config_training import TrainerConfig
-from online_opd.opd.replay import path_block_teacher, replay_sequence, top_k_teacher
+from online_opd.opd.replay import replay_sequence
 from online_opd.opd.rollout import simulated_record
 from online_opd.opd.specdec import target_generate
+from online_opd.opd.teacher_rows import path_block_teacher, top_k_teacher
 from online_opd.traces.buffer import decode_segment, encode_segment
 from online_opd.traces.records import SequenceRecord, path_rows
 from online_opd.traces.target_signal import PathTeacher, TargetHidden

@@ -14,16 +14,15 @@ import pytest
 import torch
 
 from online_opd.opd.losses import draft_opd_loss
-from online_opd.opd.replay import (
+from online_opd.opd.replay import replay_sequence, replay_sequence_naive
+from online_opd.opd.specdec import target_generate
+from online_opd.opd.teacher_rows import (
     TAIL_MASS_FLOOR,
-    replay_sequence,
-    replay_sequence_naive,
     teacher_logits,
     teacher_truncation,
     top_k_logprobs,
     top_k_teacher,
 )
-from online_opd.opd.specdec import target_generate
 from online_opd.traces.buffer import SEGMENT_SCHEMA, decode_segment, encode_segment
 from online_opd.traces.records import BlockRecord, SequenceRecord, check_fidelity
 from online_opd.traces.target_signal import TeacherTopK

@@ -93,7 +93,7 @@ from typing import Any, NamedTuple
 import torch
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from online_opd.opd.replay import top_k_logprobs
+from online_opd.opd.teacher_rows import top_k_logprobs
 from online_opd.traces.records import BlockRecord, SequenceRecord
 from online_opd.traces.target_signal import PathTeacher, TeacherTopK
 from online_opd.traces.writer import BufferWriter

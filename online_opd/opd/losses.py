@@ -419,7 +419,7 @@ LOSSES: dict[str, LossFn] = {
 
 
 #: objectives that read positions k <= min(r + 1, K_m) only, the states the verified continuation visits,
-#: so the target's rows along the sequence itself are their whole teacher (replay.path_block_teacher);
+#: so the target's rows along the sequence itself are their whole teacher (teacher_rows.path_block_teacher);
 #: draft_opd with ``first_rejected_only`` too (``opd.objective_fn``)
 PATH_ONLY = frozenset({"target_rollout", "lk"})
 

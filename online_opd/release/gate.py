@@ -104,9 +104,10 @@ from tqdm.auto import tqdm
 
 from online_opd.config import GateConfig
 from online_opd.models.target_model import TargetModel
-from online_opd.opd.replay import captured_rows_logits, packed_target_forward, sequence_aux
+from online_opd.opd.replay import packed_target_forward, sequence_aux
 from online_opd.opd.rollout import propose_all, simulated_record
 from online_opd.opd.specdec import processed_probs
+from online_opd.opd.teacher_rows import captured_rows_logits
 from online_opd.traces.records import BlockRecord, SequenceRecord, acceptance_length, path_rows
 from online_opd.train.sequences import TrainSequence
 
@@ -324,7 +325,7 @@ def captured_block_logits(
     the row of sequence position a + j - 1 (``records.path_rows``: plain steps and logged blocks' rows
     on the sequence) when d_<j are the record's own next tokens, else row j - 1 of the logged block at a
     whose first j - 1 drafts are d_<j. Rows beyond a block's width (never read) repeat its last one.
-    Rebuilt as replay does (``replay.captured_rows_logits``: the tail mass spread uniformly), so the
+    Rebuilt as replay does (``teacher_rows.captured_rows_logits``: the tail mass spread uniformly), so the
     acceptance probabilities at T > 0 carry the top-k truncation error (benchmarks/gate_cost.py measures
     it against the forward); with bfloat16 serving, they are the bfloat16 target's."""
     path = path_rows(record)

@@ -24,7 +24,7 @@ the logged blocks' rows that lie on the sequence (``path_rows``) they give the
 target's distribution along the record's own tokens, which is all an objective
 reading positions k <= r + 1 only needs (LK, target-rollout KL): a record served
 mostly without speculation then replays on simulated blocks with no target
-forward at all (online_opd/opd/replay.py ``path_block_teacher``).
+forward at all (online_opd/opd/teacher_rows.py ``path_block_teacher``).
 """
 
 from __future__ import annotations
@@ -46,9 +46,9 @@ class TeacherTopK:
     all-accepted block came from; replay does not read it). Values are the log-softmax at temperature
     1 of the target's raw logits as vLLM's verifier computed them, read before sampling (the request's
     temperature, top-p and top-k do not touch them: the teacher is the model, not the sampler), each
-    row's k largest in descending order, float32 values (``replay.top_k_logprobs``: finite, <= 0).
+    row's k largest in descending order, float32 values (``teacher_rows.top_k_logprobs``: finite, <= 0).
     The rest of the vocabulary's mass is not kept; replay spreads it uniformly
-    (``replay.teacher_logits``). Built by the capture hook without checks; ``from_dict`` (every read)
+    (``teacher_rows.teacher_logits``). Built by the capture hook without checks; ``from_dict`` (every read)
     and ``from_tensors`` validate."""
 
     token_ids: tuple[tuple[int, ...], ...]  # [K_m + 1][k] distinct target-vocabulary ids per row
@@ -88,7 +88,7 @@ class TeacherTopK:
 
     @classmethod
     def from_tensors(cls, token_ids: Any, logprobs: Any, where: str = "teacher") -> "TeacherTopK":
-        """From ``replay.top_k_logprobs``'s [rows, k] int64 ids and float32 log-probabilities (anything with
+        """From ``teacher_rows.top_k_logprobs``'s [rows, k] int64 ids and float32 log-probabilities (anything with
         ``tolist()``), validated as ``from_dict``. A float32 tensor's values are exact Python floats, so they
         round-trip unchanged through JSON and the buffer's float32 column."""
         return cls.from_dict({"token_ids": token_ids.tolist(), "logprobs": logprobs.tolist()}, where)

@@ -22,8 +22,9 @@ from online_opd.config import TrainerConfig
 from online_opd.files import atomic_write_text
 from online_opd.opd.losses import PATH_ONLY, DraftOPDLoss, get_loss, pool_losses
 from online_opd.opd.objective_schedule import ObjectiveSchedule
-from online_opd.opd.replay import path_block_teacher, replay_sequence
+from online_opd.opd.replay import replay_sequence
 from online_opd.opd.rollout import simulated_record
+from online_opd.opd.teacher_rows import path_block_teacher
 from online_opd.traces.records import BlockRecord, SequenceRecord, path_rows
 from online_opd.train import distributed as dp
 
@@ -163,7 +164,7 @@ def replay_records(target, drafter, records: list[SequenceRecord], objective: Ca
     target forward where every block does (replay.py); False recomputes every block. With an objective
     that reads positions k <= r + 1 only (``objective.path_only``, set by ``objective_fn``) a block
     without its own teacher takes one from the record's rows along its tokens where they cover it
-    (``replay.path_block_teacher``)."""
+    (``teacher_rows.path_block_teacher``)."""
     if pooling not in POOLINGS:
         raise ValueError(f"pooling must be one of {POOLINGS}, got {pooling!r}")
     chosen = [choose_blocks(record, anchors_per_sequence, generator) for record in records]
@@ -186,7 +187,7 @@ def replay_records(target, drafter, records: list[SequenceRecord], objective: Ca
 
 
 def with_path_teachers(record: SequenceRecord, blocks: list[BlockRecord]) -> list[BlockRecord]:
-    """``blocks`` where each one without a teacher takes ``replay.path_block_teacher``'s from the record's
+    """``blocks`` where each one without a teacher takes ``teacher_rows.path_block_teacher``'s from the record's
     rows along its tokens (when they cover it): for objectives reading positions k <= r + 1 only."""
     if all(b.teacher is not None for b in blocks) or (
             record.path_teacher is None and not any(b.teacher is not None for b in record.blocks)):
