@@ -2,7 +2,8 @@
 
 From a bootstrap drafter: target rollouts with vLLM on training prompts the
 bootstrap did not see (`data.seed=1`, `data.num_prompts=96` unless
-overridden) and on `--num-held-out` held-out prompts (never trained on),
+overridden; greedy, plus `data.rollout_samples` sampled ones per prompt at
+`data.rollout_temperature` when set, cached apart under `sampled/`) and on `--num-held-out` held-out prompts (never trained on),
 both cached under --out (each cache folder stamped with the data settings that made it, `data.json`:
 a later run whose settings differ stops instead of reusing it). Records = the bootstrap's greedy T=0 blocks on the
 training rollouts. Every arm trains from the bootstrap with
@@ -61,11 +62,16 @@ ARMS = (*OPD_ARMS, "sft")
 CACHE_STAMP = "data.json"
 
 
+SAMPLING_FIELDS = ("rollout_samples", "rollout_temperature")  # decide the "sampled" cache only
+
+
 def checked_cache(folder: Path, cfg, target: Path, split: str) -> None:
     """Stamp a new cache folder with what decides its rollouts (the target, the split, the data
-    section); stop with a clear error when an existing stamp says other settings made it. A folder
-    holding rollouts but no stamp (written before stamps) is used with a warning."""
-    stamp = {"target": str(target), "split": split, "data": cfg.data.model_dump(mode="json")}
+    section: for the greedy caches, without its sampling fields); stop with a clear error when an
+    existing stamp says other settings made it. A folder holding rollouts but no stamp (written before
+    stamps) is used with a warning."""
+    exclude = set() if split == "sampled" else set(SAMPLING_FIELDS)
+    stamp = {"target": str(target), "split": split, "data": cfg.data.model_dump(mode="json", exclude=exclude)}
     path = folder / CACHE_STAMP
     if path.exists():
         made = json.loads(path.read_text())
@@ -90,6 +96,22 @@ def held_out_sequences(cfg, target: Path, folder: Path, num_prompts: int, layer_
     sequences = generate_rollouts(held_cfg, target, split="held_out")
     compute_aux_hidden(TargetModel.from_pretrained(target, dtype=torch.float32), sequences, tuple(layer_ids), desc="held-out features")
     folder.mkdir(parents=True, exist_ok=True)
+    save_sequences(features, sequences, layer_ids)
+    return sequences
+
+
+def sampled_sequences(cfg, target: Path, folder: Path, layer_ids) -> list:
+    """``data.rollout_samples`` sampled target rollouts per training prompt (serve/pipeline.py
+    ``rollout_rounds``) with their target features, cached apart from the greedy ones; none at 0."""
+    if cfg.data.rollout_samples == 0:
+        return []
+    checked_cache(folder, cfg, target, "sampled")
+    features = folder / "sequences.safetensors"
+    if features.exists():
+        return load_sequences(features, layer_ids)
+    sequences = generate_rollouts(cfg, target, split="train", greedy=False)
+    compute_aux_hidden(TargetModel.from_pretrained(target, dtype=torch.float32), sequences, tuple(layer_ids),
+                       desc="sampled features")
     save_sequences(features, sequences, layer_ids)
     return sequences
 
@@ -185,7 +207,9 @@ def main() -> None:
     boot, _ = load_serving_drafter(args.bootstrap / "drafter", target)
     layer_ids = boot.target_layer_ids
     checked_cache(args.out / "train", cfg, target, "train")
-    sequences = prepare_sequences(cfg, target, args.out / "train", layer_ids)
+    greedy_cfg = apply_overrides(cfg, ["data.rollout_samples=0"])  # the greedy rollouts, cached apart
+    sequences = prepare_sequences(greedy_cfg, target, args.out / "train", layer_ids)
+    sequences += sampled_sequences(cfg, target, args.out / "sampled", layer_ids)
     held = held_out_sequences(cfg, target, args.out / "held_out", args.num_held_out, layer_ids)
     records = block_records(boot, sequences)
     boot_score = score(boot, held)

@@ -64,3 +64,20 @@ def test_objectives_refuses_a_cache_made_with_other_data_settings(tmp_path, capl
     (legacy / "sequences.safetensors").write_bytes(b"")
     objectives.checked_cache(legacy, cfg, Path("model"), "train")
     assert "without data.json" in caplog.text and not (legacy / objectives.CACHE_STAMP).exists()
+
+
+def test_the_greedy_cache_ignores_the_sampling_settings_and_the_sampled_cache_does_not(tmp_path):
+    """Sampled rollouts (data.rollout_samples) are cached apart from the greedy ones: a greedy cache is
+    shared by runs with and without samples, a sampled cache refuses other sampling settings."""
+    import objectives  # noqa: PLC0415 (heavy: the serving pipeline)
+
+    from online_opd.config import apply_overrides, load_config  # noqa: PLC0415
+
+    cfg = load_config(Path(__file__).resolve().parents[1] / "configs" / "default.yaml")
+    sampled_cfg = apply_overrides(cfg, ["data.rollout_samples=3"])
+    objectives.checked_cache(tmp_path / "train", cfg, Path("model"), "train")
+    objectives.checked_cache(tmp_path / "train", sampled_cfg, Path("model"), "train")  # the same greedy rollouts
+    objectives.checked_cache(tmp_path / "sampled", sampled_cfg, Path("model"), "sampled")
+    with pytest.raises(SystemExit, match="'rollout_temperature': 1.0"):
+        objectives.checked_cache(tmp_path / "sampled", apply_overrides(sampled_cfg, ["data.rollout_temperature=1.0"]),
+                                 Path("model"), "sampled")
