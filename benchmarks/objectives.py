@@ -102,7 +102,7 @@ def held_out_sequences(cfg, target: Path, folder: Path, num_prompts: int, layer_
 
 def sampled_sequences(cfg, target: Path, folder: Path, layer_ids) -> list:
     """``data.rollout_samples`` sampled target rollouts per training prompt (serve/pipeline.py
-    ``rollout_rounds``) with their target features, cached apart from the greedy ones; none at 0."""
+    ``rollout_temperatures``) with their target features, cached apart from the greedy ones; none at 0."""
     if cfg.data.rollout_samples == 0:
         return []
     checked_cache(folder, cfg, target, "sampled")
