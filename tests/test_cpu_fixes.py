@@ -6,6 +6,11 @@ and compare with hand-expanded tensors. The slow tests run
 ``helpers/mixed_batch_check.py`` (non-speculative vs ngram speculative engine,
 greedy and T=0.8 requests in the same batches); with
 ``ONLINE_OPD_DISABLE_CPU_FIXES=1`` both fail.
+
+The seeded-rewind fix: unit tests of the two wrappers on the fields of vLLM's
+runner they read, and a slow test that runs ``helpers/seeded_split_prefill_check.py``
+(seeded T=0.8 requests whose prefills take several steps; without the fix the
+engine core dies).
 """
 
 from __future__ import annotations
@@ -164,3 +169,85 @@ def test_contingency_table_keeps_frequent_categories_and_pools_the_rest():
     first = ["a"] * 8 + ["b"] * 3 + ["c"]
     second = ["a"] * 6 + ["b"] * 7 + ["d"] * 2
     assert contingency_table(first, second) == [[8, 3, 1], [6, 7, 2]]
+
+
+class _Runner:
+    """The fields of vLLM's GPUModelRunner the seeded-rewind wrappers read: rows 0..2 scheduled,
+    rows 0 and 2 seeded, rows 1 and 2 discarding this step's token (split prefills)."""
+
+    def __init__(self):
+        import numpy as np
+
+        self.input_batch = type("InputBatch", (), {})()
+        self.input_batch.num_reqs = 3
+        self.input_batch.generators = {row: torch.Generator().manual_seed(row) for row in (0, 2)}
+        self.discard_request_mask = type("Mask", (), {"np": np.array([False, True, True, False])})()
+
+
+def _vllm_like_sample(runner, draws: list):
+    """Draw from every seeded row, as vLLM's sampler does (exponential noise per row)."""
+    for row, gen in sorted(runner.input_batch.generators.items()):
+        draws.append((row, torch.empty(4).exponential_(generator=gen)))
+
+
+def test_a_discarded_sample_leaves_its_generator_as_it_found_it():
+    runner, draws = _Runner(), []
+    start = {row: gen.get_state() for row, gen in runner.input_batch.generators.items()}
+    cpu_fixes.rewind_by_state(_vllm_like_sample)(runner, draws)
+    assert [row for row, _ in draws] == [0, 2]  # both rows drew
+    assert torch.equal(runner.input_batch.generators[2].get_state(), start[2])  # discarded: rewound
+    assert not torch.equal(runner.input_batch.generators[0].get_state(), start[0])  # kept: advanced
+    next_draw = torch.empty(4).exponential_(generator=runner.input_batch.generators[2])
+    assert torch.equal(next_draw, dict(draws)[2])  # the next step draws what the discarded one drew
+
+
+def test_the_offset_rewind_skips_cpu_generators_and_gives_them_back():
+    def vllm_rewind(runner):  # GPUModelRunner._bookkeeping_sync's loop, which a CPU generator fails
+        for row in runner.discard_request_mask.np[:runner.input_batch.num_reqs].nonzero()[0]:
+            gen = runner.input_batch.generators.get(int(row))
+            if gen is not None:
+                gen.set_offset(gen.get_offset() - 4)
+        raise KeyError("after the rewind")
+
+    runner = _Runner()
+    with pytest.raises(RuntimeError, match="does not use offset"):
+        vllm_rewind(runner)
+    generators = dict(runner.input_batch.generators)
+    with pytest.raises(KeyError, match="after the rewind"):  # the rewind passed; an error still propagates
+        cpu_fixes.skip_offset_rewind(vllm_rewind)(runner)
+    assert runner.input_batch.generators == generators  # given back, even on the error
+
+
+def test_apply_wraps_the_runner_once(cpu_platform):
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    cpu_fixes.apply()
+    sample, bookkeeping = GPUModelRunner._sample, GPUModelRunner._bookkeeping_sync
+    assert cpu_fixes.apply() is False
+    assert (GPUModelRunner._sample, GPUModelRunner._bookkeeping_sync) == (sample, bookkeeping)
+    assert GPUModelRunner._online_opd_seeded_rewind
+
+
+@pytest.fixture(scope="module")
+def split_prefills(tmp_path_factory) -> dict:
+    from online_opd.models.target import ensure_embedded_target
+
+    out = tmp_path_factory.mktemp("seeded")
+    script = Path(__file__).parent / "helpers" / "seeded_split_prefill_check.py"
+    proc = subprocess.run([sys.executable, str(script), str(ensure_embedded_target()), str(out)],
+                          cwd=Path(__file__).parents[1], capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-8000:]
+    return json.loads((out / "result.json").read_text())
+
+
+@pytest.mark.slow
+def test_seeded_requests_with_split_prefills_sample_as_with_whole_ones(split_prefills):
+    """Without the fix both split engines end with "CPU Generator does not use offset"
+    (ONLINE_OPD_DISABLE_CPU_FIXES=1 shows it); with it a seed gives the same tokens however its
+    prompt's prefill was split, and the speculative engine serves every request."""
+    whole, split, speculative = (split_prefills[k] for k in ("whole", "split", "split_speculative"))
+    assert whole["prompt_tokens"] > 4 * 64  # the split engines took at least five steps per prefill
+    assert "error" not in split and "error" not in speculative, (split, speculative)
+    assert split["outputs"] == whole["outputs"]
+    assert len({tuple(o) for o in whole["outputs"]}) > 1  # the seeds sample different replies
+    assert [len(o) for o in speculative["outputs"]] == [len(o) for o in whole["outputs"]]

@@ -393,3 +393,26 @@ def test_an_idle_engine_is_not_polled_into_busy_waiting(server):
     assert busy < 0.3 * wall, f"an idle engine's worker used {busy:.1f} s of CPU in {wall:.0f} s"
     # the figures polled before the engine went idle are still served
     assert server.metrics().get("online_opd_drafter_version") is not None
+
+
+def test_seeded_requests_with_split_prefills_are_served(server, rollouts):
+    """Requests with the OpenAI ``seed`` field whose prefills overflow one step's token budget (4096 here):
+    vLLM 0.32's CPU runner rewound their generators with a CUDA-only call and its engine core died
+    ("CPU Generator does not use offset"); vllm_patches/cpu_fixes.py rewinds them by state. Eight
+    concurrent 900-token prompts are 7,200 tokens, so some prefills are split."""
+    c = client(server)
+    model = c.models.list().data[0].id
+    text = [t for prompt, output in rollouts for t in prompt + output]
+    text *= 1 + 1200 // len(text)
+    prompts = [text[k * 37: k * 37 + 900] for k in range(8)]
+
+    def seeded(k: int) -> list[int]:
+        reply = c.completions.create(model=model, prompt=prompts[k], max_tokens=8, temperature=0.8, seed=k,
+                                     extra_body={"return_token_ids": True, "ignore_eos": True})
+        return list(reply.choices[0].model_extra["token_ids"])
+
+    with ThreadPoolExecutor(8) as pool:
+        outputs = list(pool.map(seeded, range(8)))
+    assert [len(o) for o in outputs] == [8] * 8
+    prompt, expected = rollouts[0]
+    assert complete(c, prompt, temperature=0.0, stream=False) == expected  # still serving, exactly

@@ -2,7 +2,7 @@
 
 - ``register`` is the ``vllm.general_plugins`` entry point (pyproject.toml). vLLM
   calls it in the API server, the engine core and every worker process. It
-  always applies the CPU kernel fixes (``cpu_fixes.py``: vLLM 0.32 on the CPU
+  always applies the CPU fixes (``cpu_fixes.py``, the expand kernel and the seeded rewind: vLLM 0.32 on the CPU
   platform only), and installs the capture hook (``capture.py``) only when
   online-opd capture is configured through the ``ONLINE_OPD_CAPTURE``
   environment variable (set by ``online-opd serve``), with the admission check
@@ -105,7 +105,7 @@ def own_log_handler(level: int | str | None = None) -> None:
 
 
 def register() -> None:
-    """``vllm.general_plugins`` entry point: CPU kernel fixes always, the capture hook when configured."""
+    """``vllm.general_plugins`` entry point: CPU fixes always, the capture hook when configured."""
     from vllm_patches import cpu_fixes
 
     cpu_fixes.apply()

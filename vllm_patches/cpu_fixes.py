@@ -12,12 +12,29 @@ stop being greedy and sampled rows use a wrong distribution.
 ``apply`` swaps in ``expand_kernel_impl`` (plain torch, every dtype). It runs
 before the platform registers its overrides (``register`` is a general
 plugin; ``WorkerBase.init_worker`` loads plugins first), and re-registers the
-kernel if that already happened. Here lives only the kernel fix and its gate;
-the version range is checked by ``vllm_patches.check_vllm_version``.
+kernel if that already happened.
+
+The second defect is in the runner vLLM's CPU runner inherits: for a request
+whose sampled token is thrown away (its prefill is split over steps, so a step
+samples from a partial prompt), ``GPUModelRunner._bookkeeping_sync`` rewinds the
+request's seeded generator with ``gen.set_offset(gen.get_offset() - 4)``, the
+Philox counter of a CUDA generator. A CPU generator (Mersenne Twister) has no
+offset: ``RuntimeError: CPU Generator does not use offset`` ends the engine
+core and every request in flight. It takes one request with the OpenAI
+``seed`` field whose prefill is split: a long prompt, or a prompt that arrives
+beside others and overflows the step's token budget.
+
+``apply`` wraps ``_sample`` and ``_bookkeeping_sync``: the states of the CPU
+generators of those requests are saved before sampling and restored after it,
+which is exactly what the rewind means (the seeded stream continues as if the
+discarded token was never drawn), and the rewind is skipped for them. Here live
+only the fixes and their gate; the version range is checked by
+``vllm_patches.check_vllm_version``.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 
@@ -78,15 +95,74 @@ def is_cpu_fix_needed() -> bool:
     return current_platform.is_cpu()
 
 
+def discarded_cpu_generators(runner) -> dict[int, torch.Generator]:
+    """The CPU generators, by batch row, of the requests whose token this step discards."""
+    num_reqs = runner.input_batch.num_reqs
+    discarded = runner.discard_request_mask.np[:num_reqs]
+    return {row: gen for row, gen in runner.input_batch.generators.items()
+            if row < num_reqs and discarded[row] and gen.device.type == "cpu"}
+
+
+def rewind_by_state(sample):
+    """Wrap ``GPUModelRunner._sample``: discarded requests' CPU generators end it in the state they began it."""
+    @functools.wraps(sample)
+    def _sample(self, *args, **kwargs):
+        states = {row: gen.get_state() for row, gen in discarded_cpu_generators(self).items()}
+        out = sample(self, *args, **kwargs)
+        for row, state in states.items():
+            self.input_batch.generators[row].set_state(state)
+        return out
+
+    return _sample
+
+
+def skip_offset_rewind(bookkeeping_sync):
+    """Wrap ``GPUModelRunner._bookkeeping_sync``: its offset rewind does not see CPU generators (``_sample``
+    already rewound them); they are back in ``input_batch.generators`` when it returns or raises."""
+    @functools.wraps(bookkeeping_sync)
+    def _bookkeeping_sync(self, *args, **kwargs):
+        hidden = discarded_cpu_generators(self)
+        generators = self.input_batch.generators
+        for row in hidden:
+            del generators[row]
+        try:
+            return bookkeeping_sync(self, *args, **kwargs)
+        finally:
+            generators.update(hidden)
+
+    return _bookkeeping_sync
+
+
 def apply() -> bool:
+    """Install both fixes (kernel, seeded rewind) where vLLM's CPU engine takes them from; True if
+    either was installed now."""
+    if not is_cpu_fix_needed():
+        return False
+    installed = _apply_seeded_rewind()
+    return _apply_expand_kernel() or installed
+
+
+def _apply_seeded_rewind() -> bool:
+    """Wrap the runner's ``_sample`` and ``_bookkeeping_sync`` once per process; True if wrapped now."""
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    if getattr(GPUModelRunner, "_online_opd_seeded_rewind", False):
+        return False
+    GPUModelRunner._sample = rewind_by_state(GPUModelRunner._sample)
+    GPUModelRunner._bookkeeping_sync = skip_offset_rewind(GPUModelRunner._bookkeeping_sync)
+    GPUModelRunner._online_opd_seeded_rewind = True
+    logger.info("online-opd: seeded requests with a split prefill rewind their CPU generators by state "
+                "(vLLM's offset rewind is CUDA-only; %s=1 disables)", DISABLE_ENV)
+    return True
+
+
+def _apply_expand_kernel() -> bool:
     """Install expand_kernel_impl where vLLM's CPU platform takes it from; True if installed now.
 
     Idempotent. Covers both orders: the platform reads
     ``cpu_triton_utils._expand_kernel_impl`` when it registers its overrides,
     and a kernel already overridden with the broken one is registered again.
     """
-    if not is_cpu_fix_needed():
-        return False
     from vllm.triton_utils import dispatcher
     from vllm.utils import cpu_triton_utils
 
