@@ -242,12 +242,11 @@ def split_prefills(tmp_path_factory) -> dict:
 
 @pytest.mark.slow
 def test_seeded_requests_with_split_prefills_sample_as_with_whole_ones(split_prefills):
-    """Without the fix both split engines end with "CPU Generator does not use offset"
+    """Without the fix the split engine ends with "CPU Generator does not use offset"
     (ONLINE_OPD_DISABLE_CPU_FIXES=1 shows it); with it a seed gives the same tokens however its
-    prompt's prefill was split, and the speculative engine serves every request."""
-    whole, split, speculative = (split_prefills[k] for k in ("whole", "split", "split_speculative"))
-    assert whole["prompt_tokens"] > 4 * 64  # the split engines took at least five steps per prefill
-    assert "error" not in split and "error" not in speculative, (split, speculative)
+    prompt's prefill was split. The served, speculative case: tests/test_serve.py."""
+    whole, split = split_prefills["whole"], split_prefills["split"]
+    assert whole["prompt_tokens"] > 4 * 64  # the split engine took at least five steps per prefill
+    assert "error" not in split, split
     assert split["outputs"] == whole["outputs"]
     assert len({tuple(o) for o in whole["outputs"]}) > 1  # the seeds sample different replies
-    assert [len(o) for o in speculative["outputs"]] == [len(o) for o in whole["outputs"]]

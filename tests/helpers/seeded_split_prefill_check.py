@@ -2,9 +2,9 @@
 
 Usage: python seeded_split_prefill_check.py TARGET_DIR OUT_DIR  (writes OUT_DIR/result.json)
 
-Runs one workload on three engines: the whole prompt in one step (the token
-budget holds it), the prompt split into chunks of SPLIT_BUDGET tokens, and the
-split engine with ngram speculation. The workload is NUM_SEEDS seeded T=0.8
+Runs one workload on two engines: the whole prompt in one step (the token
+budget holds it) and the prompt split into chunks of SPLIT_BUDGET tokens (the
+speculative path: tests/test_serve.py). The workload is NUM_SEEDS seeded T=0.8
 requests for a prompt of about 300 tokens, submitted together, so every one of
 them samples (and discards) a token from a partial prompt. The result holds
 every engine's outputs, or the error that ended it.
@@ -26,10 +26,9 @@ NUM_SEEDS = 4
 MAX_TOKENS = 16
 TEMPERATURE = 0.8
 SPLIT_BUDGET = 64  # tokens per step: the prompt's prefill takes several steps
-NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3, "prompt_lookup_min": 2}
 
 
-def run(target: str, max_num_batched_tokens: int, speculative_config: dict | None) -> dict:
+def run(target: str, max_num_batched_tokens: int) -> dict:
     """{"outputs": token ids per seed, "prompt_tokens": n} or {"error": "..."} for one engine."""
     from vllm import LLM, SamplingParams, TokensPrompt
 
@@ -38,7 +37,7 @@ def run(target: str, max_num_batched_tokens: int, speculative_config: dict | Non
     llm = LLM(model=target, dtype="float32", max_model_len=512, enforce_eager=True, max_num_seqs=NUM_SEEDS,
               max_num_batched_tokens=max_num_batched_tokens, enable_chunked_prefill=True,
               enable_prefix_caching=False, distributed_executor_backend="uni",
-              speculative_config=speculative_config, seed=0)
+              seed=0)
     prompt = llm.get_tokenizer().encode(PROMPT)
     try:
         outputs = llm.generate(
@@ -54,9 +53,8 @@ def run(target: str, max_num_batched_tokens: int, speculative_config: dict | Non
 
 def main(target: str, out_dir: str) -> None:
     result = {
-        "whole": run(target, 2048, None),
-        "split": run(target, SPLIT_BUDGET, None),
-        "split_speculative": run(target, SPLIT_BUDGET, NGRAM),
+        "whole": run(target, 2048),
+        "split": run(target, SPLIT_BUDGET),
     }
     (Path(out_dir) / "result.json").write_text(json.dumps(result))
 
