@@ -173,6 +173,7 @@ def main() -> None:
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     from dtype_parity import bootstrap  # sibling script: benchmarks/ leads sys.path
+
     from online_opd.train.sequences import load_sequences
 
     bootstrap(args.run_dir)
