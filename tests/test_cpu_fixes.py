@@ -124,16 +124,20 @@ ALPHA = 1e-3
 MIN_CATEGORY_COUNT = 10
 
 
-@pytest.fixture(scope="module")
-def mixed_batches(tmp_path_factory) -> dict:
+def run_helper(name: str, out: Path) -> dict:
+    """Run tests/helpers/<name> on the embedded target in its own process; its result.json."""
     from online_opd.models.target import ensure_embedded_target
 
-    out = tmp_path_factory.mktemp("mixed")
-    script = Path(__file__).parent / "helpers" / "mixed_batch_check.py"
+    script = Path(__file__).parent / "helpers" / name
     proc = subprocess.run([sys.executable, str(script), str(ensure_embedded_target()), str(out)],
                           cwd=Path(__file__).parents[1], capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-8000:]
     return json.loads((out / "result.json").read_text())
+
+
+@pytest.fixture(scope="module")
+def mixed_batches(tmp_path_factory) -> dict:
+    return run_helper("mixed_batch_check.py", tmp_path_factory.mktemp("mixed"))
 
 
 @pytest.mark.slow
@@ -230,14 +234,7 @@ def test_apply_wraps_the_runner_once(cpu_platform):
 
 @pytest.fixture(scope="module")
 def split_prefills(tmp_path_factory) -> dict:
-    from online_opd.models.target import ensure_embedded_target
-
-    out = tmp_path_factory.mktemp("seeded")
-    script = Path(__file__).parent / "helpers" / "seeded_split_prefill_check.py"
-    proc = subprocess.run([sys.executable, str(script), str(ensure_embedded_target()), str(out)],
-                          cwd=Path(__file__).parents[1], capture_output=True, text=True, timeout=900)
-    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-8000:]
-    return json.loads((out / "result.json").read_text())
+    return run_helper("seeded_split_prefill_check.py", tmp_path_factory.mktemp("seeded"))
 
 
 @pytest.mark.slow
