@@ -115,9 +115,9 @@ class DataConfig(StrictModel):
         0.2, gt=0, lt=1, description="Share of prompt ids reserved for evaluation.")
     seed: int = Field(0, description="Shuffle seed for prompt selection.")
     rollout_samples: int = Field(
-        0, ge=0, description="Sampled target rollouts per training prompt, besides the greedy one (the "
-                             "engine seeded data.seed; a rerun may draw other samples): more of the target's "
-                             "text on the same prompts. Held-out rollouts stay greedy.")
+        0, ge=0, description="Sampled target rollouts per training prompt, besides the greedy one (pass "
+                             "p seeded data.seed + p: reproducible): more of the target's text on the same "
+                             "prompts. Held-out rollouts stay greedy.")
     rollout_temperature: float = Field(
         0.7, gt=0, description="Sampling temperature of the rollout_samples rollouts.")
 

@@ -97,6 +97,8 @@ def is_cpu_fix_needed() -> bool:
 
 def discarded_cpu_generators(runner) -> dict[int, torch.Generator]:
     """The CPU generators, by batch row, of the requests whose token this step discards."""
+    if not runner.input_batch.generators:  # no seeded request: every step without seeds stops here
+        return {}
     num_reqs = runner.input_batch.num_reqs
     discarded = runner.discard_request_mask.np[:num_reqs]
     return {row: gen for row, gen in runner.input_batch.generators.items()
