@@ -13,14 +13,21 @@ import pytest
 import torch
 
 from online_opd.config_training import TrainerConfig
-from online_opd.opd.replay import replay_sequence
-from online_opd.opd.rollout import simulated_record
+from online_opd.opd.replay import ReplayBatch, replay_sequence
+from online_opd.opd.rollout import propose_all, simulated_record
 from online_opd.opd.specdec import target_generate
 from online_opd.opd.teacher_rows import path_block_teacher, top_k_teacher
 from online_opd.traces.buffer import decode_segment, encode_segment
-from online_opd.traces.records import SequenceRecord, path_rows
+from online_opd.traces.records import BlockRecord, SequenceRecord, path_rows
 from online_opd.traces.target_signal import PathTeacher, TargetHidden
-from online_opd.train.opd import objective_fn, replay_records, with_path_teachers
+from online_opd.train.opd import (
+    objective_fn,
+    replay_records,
+    widened_blocks,
+    with_greedy_acceptance,
+    with_path_teachers,
+)
+from online_opd.train.sequences import TrainSequence
 from tests.tiny import REPLAY_PROMPT, VOCAB, mixed_blocks
 
 K = 4
@@ -211,3 +218,81 @@ def test_a_simulated_record_keeps_the_rows_of_the_blocks_it_drops(target, drafte
     assert all(b.teacher is not None for b in with_path_teachers(simulated, list(simulated.blocks)))
     assert _loss(target, drafter, simulated, "lk") == pytest.approx(_loss(target, drafter, simulated, "lk", False),
                                                                     rel=1e-5, abs=1e-6)
+
+
+# ---------------------------------------------------------------- blocks replayed K wide (trainer.widen_share)
+
+
+def test_widened_blocks_replace_narrow_blocks_by_the_sequences_own(tokens, mixed):
+    """At share 1 every block narrower than K becomes the K-wide block at its anchor on the sequence's tokens
+    (no teacher of its own; num_accepted K, a placeholder); K-wide blocks stay; at share 0 nothing changes."""
+    record = make_record(tokens, mixed)
+    out, widened = widened_blocks(record, list(mixed), K, 1.0, torch.Generator().manual_seed(0))
+    assert widened == [i for i, b in enumerate(mixed) if len(b.draft_tokens) < K] == [1, 2, 3]
+    for i, (old, new) in enumerate(zip(mixed, out)):
+        if i in widened:
+            assert new.anchor == old.anchor and new.num_accepted == K and new.teacher is None
+            assert list(new.draft_tokens) == tokens[old.anchor + 1:old.anchor + 1 + K].tolist()
+        else:
+            assert new is old
+    assert widened_blocks(record, list(mixed), K, 0.0, torch.Generator().manual_seed(0)) == (list(mixed), [])
+    last = dataclasses.replace(mixed[2], anchor=len(tokens) - 3)  # two tokens left after its anchor
+    out, widened = widened_blocks(record, [last], K, 1.0, torch.Generator().manual_seed(0))
+    assert widened == [0] and list(out[0].draft_tokens) == tokens[-2:].tolist()
+
+
+def test_greedy_acceptance_counts_the_leading_argmax_hits():
+    """r of a widened block = the leading positions where the drafter's argmax is the sequence's token,
+    within the block (a shorter block's padding never counts); other blocks keep theirs."""
+    logits = torch.full((3, K, VOCAB), -1.0)
+    for m, row in enumerate([[5, 6, 9, 8], [1, 2, 3, 4], [7, 7, 0, 0]]):
+        logits[m, torch.arange(K), torch.tensor(row)] = 1.0
+    blocks = [BlockRecord(0, (5, 6, 7, 8), 4), BlockRecord(0, (9,), 0), BlockRecord(0, (7, 7), 2)]
+    batch = ReplayBatch(torch.zeros_like(logits), logits, torch.tensor([4, 0, 2]), torch.tensor([4, 1, 2]))
+    assert with_greedy_acceptance(batch, blocks, [0, 2]).num_accepted.tolist() == [2, 0, 2]
+    assert batch.num_accepted.tolist() == [4, 0, 2]  # not changed in place
+
+
+def sequence_the_drafter_half_predicts(target, drafter, prompt_tokens: torch.Tensor, num_blocks: int):
+    """(tokens, anchors): after each anchor the drafter's first two greedy K-wide drafts, then a token it did not
+    draft, so that the K-wide blocks at those anchors are accepted for exactly two positions (a block's drafts
+    depend on the tokens up to its anchor only)."""
+    tokens, anchors = prompt_tokens.clone(), []
+    for _ in range(num_blocks):
+        a = len(tokens) - 1
+        with torch.no_grad():
+            aux = target.forward(tokens, tuple(drafter.target_layer_ids), logits_at=tokens.new_empty(0)).aux_hidden
+        draft = propose_all(drafter, TrainSequence(tokens, len(PROMPT), aux), torch.tensor([a]))[0].tolist()
+        tokens = torch.cat([tokens, torch.tensor([draft[0], draft[1], (draft[2] + 1) % VOCAB])])
+        anchors.append(a)
+    return torch.cat([tokens, tokens[-2:]]), anchors  # two more: the last block's K positions lie inside
+
+
+@pytest.mark.parametrize("name", ["lk", "target_rollout"])
+def test_a_widened_block_replays_as_the_block_the_drafter_would_draft_k_wide(target, drafter, tokens, name):
+    """Blocks served 1 wide, replayed K wide, give the loss of the K-wide blocks the current drafter drafts
+    greedily at those anchors (``propose_all``) with T=0 verification's acceptance (here 2 of 4 each): the
+    blocks a server drafting K tokens would have logged there; the path teacher and the recomputed target
+    agree. As served (share 0) they train position 1 alone."""
+    seq, anchors = sequence_the_drafter_half_predicts(target, drafter, tokens[:len(PROMPT) + 4], 4)
+    with torch.no_grad():
+        aux = target.forward(seq[:-1], tuple(drafter.target_layer_ids), logits_at=seq.new_empty(0)).aux_hidden
+    drafts = propose_all(drafter, TrainSequence(seq, len(PROMPT), aux), torch.tensor(anchors)).tolist()
+    wide = [BlockRecord(a, tuple(d), 2) for a, d in zip(anchors, drafts)]
+    assert all(list(b.draft_tokens[:2]) == seq[b.anchor + 1:b.anchor + 3].tolist() for b in wide)
+    narrow = [BlockRecord(a, (seq[a + 1].item(),), 1) for a in anchors]
+    cfg = TrainerConfig(objective=name, widen_share=1.0)
+
+    def replay(blocks, share, teacher=None):
+        return replay_records(target, drafter, [make_record(seq, blocks, teacher)], objective_fn(cfg),
+                              anchors_per_sequence=len(blocks), generator=torch.Generator().manual_seed(0),
+                              widen_share=share)
+
+    expected = replay(wide, 1.0)
+    assert expected.num_widened == 0 and expected.rejected > 0  # position 3 of each block: the first rejected
+    for teacher in (None, sequence_teacher(target, seq, VOCAB)):
+        got = replay(narrow, 1.0, teacher)
+        assert got.num_widened == len(narrow)
+        assert float(got.loss) == pytest.approx(float(expected.loss), rel=1e-5, abs=1e-6)
+        assert got.rejected == pytest.approx(expected.rejected, rel=1e-5)
+    assert replay(narrow, 0.0).rejected == 0.0  # position 1 alone, accepted

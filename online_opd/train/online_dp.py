@@ -66,7 +66,7 @@ def replay_update(target, drafter, records: list[SequenceRecord], objective, opt
     rank alike (it is summed over the ranks first) before any weight changes."""
     replayed = replay_records(target, drafter, records, objective, anchors_per_sequence=tcfg.anchors_per_sequence,
                               generator=generator, pooling=tcfg.loss_pooling, device=device,
-                              use_teacher=tcfg.captured_teacher)
+                              use_teacher=tcfg.captured_teacher, widen_share=tcfg.widen_share)
     loss = float(dp.sum_over_ranks(replayed.loss.detach()))
     if not math.isfinite(loss):
         raise FloatingPointError(f"non-finite loss {loss}")

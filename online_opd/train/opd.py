@@ -22,7 +22,7 @@ from online_opd.config import TrainerConfig
 from online_opd.files import atomic_write_text
 from online_opd.opd.losses import PATH_ONLY, DraftOPDLoss, get_loss, pool_losses
 from online_opd.opd.objective_schedule import ObjectiveSchedule
-from online_opd.opd.replay import replay_sequence
+from online_opd.opd.replay import ReplayBatch, replay_sequence
 from online_opd.opd.rollout import simulated_record
 from online_opd.opd.teacher_rows import path_block_teacher
 from online_opd.traces.records import BlockRecord, SequenceRecord, path_rows
@@ -138,6 +138,7 @@ class ReplayedLoss:
     num_replayed_tokens: int  # context tokens plus drafted positions sent through the forwards
     num_blocks: int = 0  # blocks replayed (the global batch's, on every rank)
     block_tokens: int = 0  # tokens the verifier emitted for those blocks: sum of r + 1
+    num_widened: int = 0  # of them, replayed K wide (``widened_blocks``)
 
 
 def choose_blocks(record: SequenceRecord, anchors_per_sequence: int, generator: torch.Generator,
@@ -150,7 +151,8 @@ def choose_blocks(record: SequenceRecord, anchors_per_sequence: int, generator: 
 
 def replay_records(target, drafter, records: list[SequenceRecord], objective: Callable, *,
                    anchors_per_sequence: int, generator: torch.Generator, pooling: str = "batch",
-                   device: torch.device | None = None, use_teacher: bool = True) -> ReplayedLoss:
+                   device: torch.device | None = None, use_teacher: bool = True,
+                   widen_share: float = 0.0) -> ReplayedLoss:
     """Up to ``anchors_per_sequence`` blocks of each record, drawn with ``generator``, replayed in one
     packed pass per record (replay.py) and scored with ``objective``.
 
@@ -164,26 +166,71 @@ def replay_records(target, drafter, records: list[SequenceRecord], objective: Ca
     target forward where every block does (replay.py); False recomputes every block. With an objective
     that reads positions k <= r + 1 only (``objective.path_only``, set by ``objective_fn``) a block
     without its own teacher takes one from the record's rows along its tokens where they cover it
-    (``teacher_rows.path_block_teacher``)."""
+    (``teacher_rows.path_block_teacher``), and with ``widen_share`` > 0 that share of the blocks served
+    narrower than the drafter's K is replayed K wide on the sequence's tokens (``widened_blocks``)."""
     if pooling not in POOLINGS:
         raise ValueError(f"pooling must be one of {POOLINGS}, got {pooling!r}")
     chosen = [choose_blocks(record, anchors_per_sequence, generator) for record in records]
+    path_only = getattr(objective, "path_only", False)
+    widen = widen_share > 0 and path_only
+    replayed = [widened_blocks(record, blocks, drafter.cfg.block_size, widen_share, generator) if widen
+                else (blocks, []) for record, blocks in zip(records, chosen)]  # every rank draws for all
     lo, hi = dp.shard_bounds(len(records))
     outs, num_tokens = [], []
-    path_only = use_teacher and getattr(objective, "path_only", False)
-    for record, blocks in zip(records[lo:hi], chosen[lo:hi]):
-        if path_only:
+    for record, (blocks, widened) in zip(records[lo:hi], replayed[lo:hi]):
+        if path_only and use_teacher:
             blocks = with_path_teachers(record, blocks)
         end = max(b.anchor for b in blocks) + 1  # later tokens are never read
         tokens = torch.tensor(record.tokens[:end], dtype=torch.int64, device=device)
         batch = replay_sequence(target, drafter, tokens, blocks, use_teacher=use_teacher,
                                 hidden=record.hidden if use_teacher else None)
+        if widened:
+            batch = with_greedy_acceptance(batch, blocks, widened)
         outs.append(objective(batch.target_logits, batch.draft_logits, batch.num_accepted, batch.num_drafted))
         num_tokens.append(end + sum(len(b.draft_tokens) - 1 for b in blocks))
     out = (_mean_over_records(outs, num_tokens, len(records), device) if pooling == "sequence"
            else _pool_over_batch(outs, num_tokens, device))
     every = [b for blocks in chosen for b in blocks]
-    return dataclasses.replace(out, num_blocks=len(every), block_tokens=sum(b.num_accepted + 1 for b in every))
+    return dataclasses.replace(out, num_blocks=len(every), block_tokens=sum(b.num_accepted + 1 for b in every),
+                               num_widened=sum(len(widened) for _, widened in replayed))
+
+
+def widened_blocks(record: SequenceRecord, blocks: list[BlockRecord], block_size: int, share: float,
+                   generator: torch.Generator) -> tuple[list[BlockRecord], list[int]]:
+    """(``blocks`` with each one narrower than the drafter's K replaced, with probability ``share`` drawn
+    from ``generator``, by the K-wide block at its anchor on the sequence's own tokens, the indices
+    replaced). For objectives reading positions k <= r + 1 only: their teacher is the target along the
+    sequence, whatever the server drafted, so a block served at K' < K (the speculation policy's choice
+    at that batch size) need not limit them to K' positions. ``num_accepted`` of a widened block is a
+    placeholder (its K, so that ``path_block_teacher`` takes every row on the path): replay sets it from
+    the drafter's own greedy drafts (``with_greedy_acceptance``), at the weights being trained. The
+    widest block stops at the record's last token."""
+    draws = torch.rand(len(blocks), generator=generator).tolist()
+    last = len(record.tokens) - 1
+    out, widened = list(blocks), []
+    for i, (block, draw) in enumerate(zip(blocks, draws)):
+        width = min(block_size, last - block.anchor)
+        if draw < share and width > len(block.draft_tokens):
+            path = tuple(record.tokens[block.anchor + 1:block.anchor + 1 + width])
+            out[i] = BlockRecord(anchor=block.anchor, draft_tokens=path, num_accepted=width,
+                                 drafter_version=block.drafter_version)
+            widened.append(i)
+    return out, widened
+
+
+def with_greedy_acceptance(batch: ReplayBatch, blocks: list[BlockRecord], rows: list[int]) -> ReplayBatch:
+    """``batch`` with ``num_accepted`` of the blocks at ``rows`` (``widened_blocks``': their draft tokens
+    are the sequence's) set to what T=0 verification would accept from the drafter's greedy drafts (the
+    argmax of its logits, as ``propose`` drafts): the leading positions where that draft is the
+    sequence's token."""
+    where = torch.tensor(rows, dtype=torch.long, device=batch.num_accepted.device)
+    width = batch.draft_logits.shape[1]
+    path = torch.tensor([blocks[m].draft_tokens + (-1,) * (width - len(blocks[m].draft_tokens)) for m in rows],
+                        dtype=torch.long, device=where.device)  # [R, W], -1 past the block: never a draft
+    hits = batch.draft_logits[where].detach().argmax(-1) == path
+    num_accepted = batch.num_accepted.clone()
+    num_accepted[where] = hits.long().cumprod(-1).sum(-1)
+    return dataclasses.replace(batch, num_accepted=num_accepted)
 
 
 def with_path_teachers(record: SequenceRecord, blocks: list[BlockRecord]) -> list[BlockRecord]:
@@ -237,7 +284,8 @@ def opd_step_fn(target, drafter, records: list[SequenceRecord], cfg: TrainerConf
         picks = torch.randint(len(records), (cfg.sequences_per_step,), generator=gen).tolist()
         out = replay_records(target, drafter, [records[i] for i in picks], objective,
                              anchors_per_sequence=cfg.anchors_per_sequence, generator=gen,
-                             pooling=cfg.loss_pooling, device=device, use_teacher=cfg.captured_teacher)
+                             pooling=cfg.loss_pooling, device=device, use_teacher=cfg.captured_teacher,
+                             widen_share=cfg.widen_share)
         stats = {"accepted": out.accepted, "rejected": out.rejected,
                  "replayed_tokens": out.num_replayed_tokens, "block_tokens": out.block_tokens}
         return out.loss, stats
