@@ -18,7 +18,7 @@ from online_opd.models.target_model import TargetModel
 from online_opd.opd.specdec import target_generate
 from online_opd.release.gate import split_held_out
 from online_opd.release.registry import DrafterRegistry
-from online_opd.traces.records import BlockRecord, SequenceRecord
+from online_opd.traces.records import BlockRecord, SequenceRecord, check_fidelity
 from online_opd.train.loop import train
 from online_opd.train.online import OnlineTrainer
 from online_opd.train.sequences import TrainSequence, compute_aux_hidden
@@ -432,3 +432,24 @@ def test_sft_objective_is_refused(world, tmp_path):
     cfg.trainer.objective = "sft"
     with pytest.raises(ValueError, match="SFT is the offline"):
         OnlineTrainer(cfg, **setup_run(world, tmp_path))
+
+
+def test_blocks_served_narrower_than_k_are_replayed_k_wide_and_counted(world, tmp_path):
+    """``trainer.widen_share`` 1 with a path-only objective (lk): a record served with 1-token blocks is
+    replayed on K-wide blocks at their anchors, counted in ``blocks_widened``; Draft-OPD, which reads the
+    served drafts, never widens."""
+    served = world["records"][0]
+    t, first = served.tokens, served.prompt_len - 1
+    narrow = tuple(BlockRecord(a, (t[a + 1],), 1) for a in range(first, len(t) - 2, 2))  # a -> a + r + 1
+    record = dataclasses.replace(served, blocks=narrow)
+    assert not check_fidelity(record)
+    cfg = online_config()
+    cfg.trainer.objective, cfg.trainer.widen_share = "lk", 1.0
+    trainer = OnlineTrainer(cfg, **setup_run(world, tmp_path))
+    trainer.train_step([record, record])
+    chosen = min(len(narrow), cfg.trainer.anchors_per_sequence)  # blocks replayed per record
+    assert trainer.stats()["blocks_widened"] == 2 * chosen  # each has room for 2 tokens or more
+    cfg.trainer.objective = "draft_opd"
+    trainer = OnlineTrainer(cfg, **setup_run(world, tmp_path / "opd"))
+    trainer.train_step([record, record])
+    assert trainer.stats()["blocks_widened"] == 0

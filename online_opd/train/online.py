@@ -75,7 +75,7 @@ from online_opd.train.state import STATE_FILE, load_state, save_state
 logger = logging.getLogger(__name__)
 
 _COUNTERS = ("steps", "replayed_tokens", "trained_tokens", "records_seen", "records_invalid", "records_unusable",
-             "records_simulated", "gates", "promotions", "rejections", "errors", "resyncs")
+             "records_simulated", "blocks_widened", "gates", "promotions", "rejections", "errors", "resyncs")
 
 
 class OnlineTrainer(GateAndPublish):
@@ -222,6 +222,7 @@ class OnlineTrainer(GateAndPublish):
                                                         "grad_norm")})
             self._stats["replayed_tokens"] += num_tokens
             self._stats["trained_tokens"] += trained_tokens
+            self._stats["blocks_widened"] += replayed.num_widened
             self._stats["train_seconds"] += stats["seconds"]  # optimizer-step time (compute budget)
         if self.step_count % self.cfg.trainer.log_every == 0:
             logger.info("online step %d: loss %.4f (accepted %.4f, rejected %.4f), %d tokens, %.2fs",
