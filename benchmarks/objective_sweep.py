@@ -44,7 +44,8 @@ def run_setting(args, name: str, overrides: list[str]) -> dict:
     if not out_json.exists():
         cmd = [sys.executable, str(Path(__file__).parent / "objectives.py"), "--bootstrap", str(args.bootstrap),
                "--out", str(folder), "--steps", str(args.steps), "--arms", args.arm, "--reference", args.arm,
-               "--seeds", *map(str, args.seeds), "--json-out", str(out_json), *args.overrides, *overrides]
+               "--seeds", *map(str, args.seeds), "--json-out", str(out_json),
+               *(["--served-width", str(args.served_width)] if args.served_width else []), *args.overrides, *overrides]
         subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
     return json.loads(out_json.read_text())
 
@@ -77,6 +78,7 @@ def main() -> None:
     parser.add_argument("--setting", type=parse_setting, action="append", required=True,
                         help="NAME=override[,override...]; the first one is the reference")
     parser.add_argument("--arm", default="draft_opd", help="the objectives.py arm every setting trains")
+    parser.add_argument("--served-width", type=int, default=None, help="objectives.py's --served-width")
     parser.add_argument("--json-out", type=Path)
     parser.add_argument("overrides", nargs="*", help="config overrides of every setting (objectives.py's), "
                         "e.g. data.prompts=humaneval")

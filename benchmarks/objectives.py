@@ -116,11 +116,12 @@ def sampled_sequences(cfg, target: Path, folder: Path, layer_ids) -> list:
     return sequences
 
 
-def block_records(drafter, sequences) -> list[SequenceRecord]:
-    """The drafter's greedy T=0 blocks on each rollout, as the records Draft-OPD replays."""
+def block_records(drafter, sequences, served_width: int | None = None) -> list[SequenceRecord]:
+    """The drafter's greedy T=0 blocks on each rollout, as the records Draft-OPD replays; ``served_width``
+    tokens per block (a server drafting K' < K), default the drafter's K."""
     records = []
     for i, seq in enumerate(sequences):
-        blocks = greedy_blocks(drafter, seq)
+        blocks = greedy_blocks(drafter, seq, served_width)
         if blocks:
             records.append(SequenceRecord(f"train-{i}", "target", "bootstrap", 0.0, 1.0, 0,
                                           tuple(seq.tokens.tolist()), seq.prompt_len, tuple(blocks)))
@@ -190,6 +191,9 @@ def parse_args() -> argparse.Namespace:
                         help="the arm every other arm is paired with, seed by seed")
     parser.add_argument("--num-held-out", type=int, default=48, help="held-out prompts scored")
     parser.add_argument("--json-out", type=Path, default=None, help="also write the JSON here")
+    parser.add_argument("--served-width", type=int, default=None, metavar="K'",
+                        help="records' blocks drafted K' wide, as a server whose speculation policy drafts K' < K "
+                             "logs them (trainer.widen_share's case); default the drafter's K")
     parser.add_argument("overrides", nargs="*", help=f"dotted config overrides (after {DEFAULT_OVERRIDES})")
     args = parser.parse_args()
     if "sft" in args.arms and REFERENCE_ARM not in args.arms:
@@ -211,14 +215,17 @@ def main() -> None:
     sequences = prepare_sequences(greedy_cfg, target, args.out / "train", layer_ids)
     sequences += sampled_sequences(cfg, target, args.out / "sampled", layer_ids)
     held = held_out_sequences(cfg, target, args.out / "held_out", args.num_held_out, layer_ids)
-    records = block_records(boot, sequences)
+    if args.served_width is not None and not 1 <= args.served_width <= boot.cfg.block_size:
+        raise SystemExit(f"--served-width {args.served_width}: the bootstrap drafter drafts 1..{boot.cfg.block_size}")
+    records = block_records(boot, sequences, args.served_width)
     boot_score = score(boot, held)
     per_seed = {seed: train_seed(cfg, args, target, seed, records, sequences, held) for seed in args.seeds}
     result = {
         "command": " ".join(sys.argv), "date": datetime.datetime.now(datetime.timezone.utc).isoformat(),
         "cpu_count": os.cpu_count(), "bootstrap": str(args.bootstrap), "steps": args.steps, "seeds": args.seeds,
         "overrides": [*DEFAULT_OVERRIDES, *args.overrides], "num_train_sequences": len(sequences),
-        "num_records": len(records), "num_held_out_sequences": len(held), "bootstrap_score": boot_score,
+        "num_records": len(records), "served_width": args.served_width, "num_held_out_sequences": len(held),
+        "bootstrap_score": boot_score,
         "reference": args.reference,
         "summary": summarise(per_seed, boot_score["tau"], args.arms, args.reference), "per_seed": per_seed,
     }

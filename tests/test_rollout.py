@@ -34,6 +34,26 @@ def test_simulated_blocks_equal_reference_speculative_decoding():
     assert pooled_acceptance_length([simulated]) == 1 + sum(b.num_accepted for b in simulated) / len(simulated)
 
 
+
+def test_narrower_blocks_are_drafted_as_a_server_drafting_fewer_tokens_does():
+    """``num_draft_tokens`` K' < K: every block has K' tokens, the drafter's K'-wide proposal at its anchor (a
+    DFlash K'-block, not the first K' of a K-block), and the walk is a valid record."""
+    target = tiny_target(seed=4)
+    drafter = tiny_drafter(target, block_size=4, seed=5)
+    prompt = [3, 17, 9, 22, 41, 5]
+    result = speculative_generate(target, drafter, prompt, max_new_tokens=40)
+    seq = TrainSequence(torch.tensor(result.tokens), len(prompt))
+    seq.aux_hidden = target.forward(seq.tokens, layer_ids=drafter.target_layer_ids).aux_hidden
+    for width in (1, 2):
+        blocks = greedy_blocks(drafter, seq, num_draft_tokens=width)
+        assert blocks and all(len(b.draft_tokens) == width for b in blocks)
+        for b in blocks:
+            a = torch.tensor([b.anchor])
+            assert list(b.draft_tokens) == drafter.propose(seq.aux_hidden[: b.anchor], a, seq.tokens[a], seq.tokens,
+                                                           num_draft_tokens=width)[0].tolist()
+        record = SequenceRecord("r", "tiny", "v0", 0.0, 1.0, 0, tuple(result.tokens), len(prompt), tuple(blocks))
+        assert check_fidelity(record) == []
+
 def test_perfect_agreement_accepts_whole_blocks():
     target = tiny_target(seed=4)
     drafter = tiny_drafter(target, block_size=3, seed=5)

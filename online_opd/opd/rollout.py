@@ -56,13 +56,14 @@ def propose_all(drafter, seq: TrainSequence, anchors: torch.Tensor, chunk: int =
     return torch.cat(out) if out else torch.zeros(0, width, dtype=torch.int64)
 
 
-def greedy_blocks(drafter, seq: TrainSequence) -> list[BlockRecord]:
-    """The block records of greedy speculative decoding over `seq`'s output."""
+def greedy_blocks(drafter, seq: TrainSequence, num_draft_tokens: int | None = None) -> list[BlockRecord]:
+    """The block records of greedy speculative decoding over `seq`'s output, drafting ``num_draft_tokens``
+    (K' as a server drafting K' < K tokens does; default the drafter's K) per block."""
     first, last = seq.prompt_len, seq.num_tokens - 1  # anchors in [first, last)
     if last <= first:
         return []
     anchors = torch.arange(first, last, device=seq.tokens.device)
-    drafts = propose_all(drafter, seq, anchors).tolist()
+    drafts = propose_all(drafter, seq, anchors, num_draft_tokens=num_draft_tokens).tolist()
     tokens = seq.tokens.tolist()
     blocks, a = [], first
     while a < last:
