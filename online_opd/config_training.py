@@ -91,10 +91,11 @@ class TrainerConfig(StrictModel):
     widen_share: float = Field(
         0.0, ge=0, le=1,
         description="Objectives that read positions k <= r + 1 only (lk, target_rollout): the share of the "
-                    "replayed blocks served narrower than the drafter's K (the speculation policy drafts K' < K "
-                    "at some batch sizes) replayed K wide at the same anchor on the sequence's own tokens, "
-                    "acceptance from the drafter's greedy drafts at the trained weights; 0 = as served, "
-                    "so blocks served at K'=1 train position 1 only.")
+                    "replayed blocks replayed K wide at their anchor on the sequence's own tokens, acceptance "
+                    "from the drafter's greedy drafts at the trained weights (a block served K' < K wide, as "
+                    "the speculation policy drafts at some batch sizes, is widened; a K-wide one re-drafted); "
+                    "0 = as served: a block served at K'=1 trains position 1 only, and every block the "
+                    "positions the serving version's drafts reached.")
     loss_pooling: Literal["batch", "sequence"] = Field(
         "batch", description="How the objective averages a step's sequences: 'batch' pools every replayed "
                              "(block, position) of the step into I_acc / I_rej (paper eq. 10-11); 'sequence' "

@@ -437,7 +437,7 @@ def test_sft_objective_is_refused(world, tmp_path):
 def test_blocks_served_narrower_than_k_are_replayed_k_wide_and_counted(world, tmp_path):
     """``trainer.widen_share`` 1 with a path-only objective (lk): a record served with 1-token blocks is
     replayed on K-wide blocks at their anchors, counted in ``blocks_widened``; Draft-OPD, which reads the
-    served drafts, never widens."""
+    served drafts, never replaces them."""
     served = world["records"][0]
     t, first = served.tokens, served.prompt_len - 1
     narrow = tuple(BlockRecord(a, (t[a + 1],), 1) for a in range(first, len(t) - 2, 2))  # a -> a + r + 1

@@ -223,22 +223,21 @@ def test_a_simulated_record_keeps_the_rows_of_the_blocks_it_drops(target, drafte
 # ---------------------------------------------------------------- blocks replayed K wide (trainer.widen_share)
 
 
-def test_widened_blocks_replace_narrow_blocks_by_the_sequences_own(tokens, mixed):
-    """At share 1 every block narrower than K becomes the K-wide block at its anchor on the sequence's tokens
-    (no teacher of its own; num_accepted K, a placeholder); K-wide blocks stay; at share 0 nothing changes."""
+def test_widened_blocks_replace_blocks_by_the_sequences_own(tokens, mixed):
+    """At share 1 every block becomes the K-wide block at its anchor on the sequence's tokens (no teacher of its
+    own; num_accepted its width, a placeholder), also a K-wide one; near the end it stops at the last token,
+    and a block that would end narrower than served stays; at share 0 nothing changes."""
     record = make_record(tokens, mixed)
     out, widened = widened_blocks(record, list(mixed), K, 1.0, torch.Generator().manual_seed(0))
-    assert widened == [i for i, b in enumerate(mixed) if len(b.draft_tokens) < K] == [1, 2, 3]
-    for i, (old, new) in enumerate(zip(mixed, out)):
-        if i in widened:
-            assert new.anchor == old.anchor and new.num_accepted == K and new.teacher is None
-            assert list(new.draft_tokens) == tokens[old.anchor + 1:old.anchor + 1 + K].tolist()
-        else:
-            assert new is old
+    assert widened == list(range(len(mixed)))
+    for old, new in zip(mixed, out):
+        assert new.anchor == old.anchor and new.num_accepted == K and new.teacher is None
+        assert list(new.draft_tokens) == tokens[old.anchor + 1:old.anchor + 1 + K].tolist()
     assert widened_blocks(record, list(mixed), K, 0.0, torch.Generator().manual_seed(0)) == (list(mixed), [])
-    last = dataclasses.replace(mixed[2], anchor=len(tokens) - 3)  # two tokens left after its anchor
-    out, widened = widened_blocks(record, [last], K, 1.0, torch.Generator().manual_seed(0))
-    assert widened == [0] and list(out[0].draft_tokens) == tokens[-2:].tolist()
+    near_end = [dataclasses.replace(mixed[2], anchor=len(tokens) - 3),  # 1 wide, two tokens left: widened to 2
+                dataclasses.replace(mixed[0], anchor=len(tokens) - 3)]  # 4 wide: stays
+    out, widened = widened_blocks(record, near_end, K, 1.0, torch.Generator().manual_seed(0))
+    assert widened == [0] and list(out[0].draft_tokens) == tokens[-2:].tolist() and out[1] is near_end[1]
 
 
 def test_greedy_acceptance_counts_the_leading_argmax_hits():
@@ -270,10 +269,10 @@ def sequence_the_drafter_half_predicts(target, drafter, prompt_tokens: torch.Ten
 
 @pytest.mark.parametrize("name", ["lk", "target_rollout"])
 def test_a_widened_block_replays_as_the_block_the_drafter_would_draft_k_wide(target, drafter, tokens, name):
-    """Blocks served 1 wide, replayed K wide, give the loss of the K-wide blocks the current drafter drafts
-    greedily at those anchors (``propose_all``) with T=0 verification's acceptance (here 2 of 4 each): the
-    blocks a server drafting K tokens would have logged there; the path teacher and the recomputed target
-    agree. As served (share 0) they train position 1 alone."""
+    """Blocks served 1 wide, or K wide by other weights, replayed K wide give the loss of the K-wide blocks the
+    current drafter drafts greedily at those anchors (``propose_all``) with T=0 verification's acceptance (here
+    2 of 4 each): the blocks a server drafting K tokens with these weights would have logged there; the path
+    teacher and the recomputed target agree. As served (share 0) they train position 1 alone."""
     seq, anchors = sequence_the_drafter_half_predicts(target, drafter, tokens[:len(PROMPT) + 4], 4)
     with torch.no_grad():
         aux = target.forward(seq[:-1], tuple(drafter.target_layer_ids), logits_at=seq.new_empty(0)).aux_hidden
@@ -281,6 +280,7 @@ def test_a_widened_block_replays_as_the_block_the_drafter_would_draft_k_wide(tar
     wide = [BlockRecord(a, tuple(d), 2) for a, d in zip(anchors, drafts)]
     assert all(list(b.draft_tokens[:2]) == seq[b.anchor + 1:b.anchor + 3].tolist() for b in wide)
     narrow = [BlockRecord(a, (seq[a + 1].item(),), 1) for a in anchors]
+    stale = [BlockRecord(a, tuple((t + 1) % VOCAB for t in d), 0) for a, d in zip(anchors, drafts)]  # other weights'
     cfg = TrainerConfig(objective=name, widen_share=1.0)
 
     def replay(blocks, share, teacher=None):
@@ -288,11 +288,13 @@ def test_a_widened_block_replays_as_the_block_the_drafter_would_draft_k_wide(tar
                               anchors_per_sequence=len(blocks), generator=torch.Generator().manual_seed(0),
                               widen_share=share)
 
-    expected = replay(wide, 1.0)
+    expected = replay(wide, 0.0)
     assert expected.num_widened == 0 and expected.rejected > 0  # position 3 of each block: the first rejected
-    for teacher in (None, sequence_teacher(target, seq, VOCAB)):
-        got = replay(narrow, 1.0, teacher)
-        assert got.num_widened == len(narrow)
-        assert float(got.loss) == pytest.approx(float(expected.loss), rel=1e-5, abs=1e-6)
-        assert got.rejected == pytest.approx(expected.rejected, rel=1e-5)
+    for blocks in (narrow, stale, wide):
+        for teacher in (None, sequence_teacher(target, seq, VOCAB)):
+            got = replay(blocks, 1.0, teacher)
+            assert got.num_widened == len(blocks)
+            assert float(got.loss) == pytest.approx(float(expected.loss), rel=1e-5, abs=1e-6)
+            assert got.rejected == pytest.approx(expected.rejected, rel=1e-5)
     assert replay(narrow, 0.0).rejected == 0.0  # position 1 alone, accepted
+    assert replay(stale, 0.0).accepted == 0.0  # position 1 alone, rejected

@@ -197,7 +197,8 @@ class TrainerCollector(Collector):
             ("records_simulated", "trainer_records_simulated",
              "Replays on blocks the current drafter simulated (records served mostly without speculation)."),
             ("blocks_widened", "trainer_blocks_widened",
-             "Replayed blocks served narrower than the drafter's K and replayed K wide (trainer.widen_share)."),
+             "Replayed blocks replayed K wide on the sequence's tokens with the trained weights' greedy "
+             "acceptance (trainer.widen_share)."),
             ("errors", "trainer_errors", "Failed trainer steps or gates (logged, training continues)."),
             ("gates", "gate_runs", "Gate evaluations of a candidate drafter."),
             ("promotions", "gate_promotions", "Candidates promoted by the gate."),

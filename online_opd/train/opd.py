@@ -138,7 +138,7 @@ class ReplayedLoss:
     num_replayed_tokens: int  # context tokens plus drafted positions sent through the forwards
     num_blocks: int = 0  # blocks replayed (the global batch's, on every rank)
     block_tokens: int = 0  # tokens the verifier emitted for those blocks: sum of r + 1
-    num_widened: int = 0  # of them, replayed K wide (``widened_blocks``)
+    num_widened: int = 0  # of them, replayed K wide on the sequence's tokens (``widened_blocks``)
 
 
 def choose_blocks(record: SequenceRecord, anchors_per_sequence: int, generator: torch.Generator,
@@ -166,8 +166,9 @@ def replay_records(target, drafter, records: list[SequenceRecord], objective: Ca
     target forward where every block does (replay.py); False recomputes every block. With an objective
     that reads positions k <= r + 1 only (``objective.path_only``, set by ``objective_fn``) a block
     without its own teacher takes one from the record's rows along its tokens where they cover it
-    (``teacher_rows.path_block_teacher``), and with ``widen_share`` > 0 that share of the blocks served
-    narrower than the drafter's K is replayed K wide on the sequence's tokens (``widened_blocks``)."""
+    (``teacher_rows.path_block_teacher``), and with ``widen_share`` > 0 that share of the blocks is
+    replayed K wide on the sequence's tokens, with the trained weights' greedy acceptance
+    (``widened_blocks``)."""
     if pooling not in POOLINGS:
         raise ValueError(f"pooling must be one of {POOLINGS}, got {pooling!r}")
     chosen = [choose_blocks(record, anchors_per_sequence, generator) for record in records]
@@ -197,20 +198,21 @@ def replay_records(target, drafter, records: list[SequenceRecord], objective: Ca
 
 def widened_blocks(record: SequenceRecord, blocks: list[BlockRecord], block_size: int, share: float,
                    generator: torch.Generator) -> tuple[list[BlockRecord], list[int]]:
-    """(``blocks`` with each one narrower than the drafter's K replaced, with probability ``share`` drawn
-    from ``generator``, by the K-wide block at its anchor on the sequence's own tokens, the indices
-    replaced). For objectives reading positions k <= r + 1 only: their teacher is the target along the
-    sequence, whatever the server drafted, so a block served at K' < K (the speculation policy's choice
-    at that batch size) need not limit them to K' positions. ``num_accepted`` of a widened block is a
-    placeholder (its K, so that ``path_block_teacher`` takes every row on the path): replay sets it from
-    the drafter's own greedy drafts (``with_greedy_acceptance``), at the weights being trained. The
-    widest block stops at the record's last token."""
+    """(``blocks`` with each one replaced, with probability ``share`` drawn from ``generator``, by the K-wide
+    block at its anchor on the sequence's own tokens, the indices replaced). For objectives reading
+    positions k <= r + 1 only: their teacher is the target along the sequence, whatever the server
+    drafted, so a block served at K' < K (the speculation policy's choice at that batch size) need not
+    limit them to K' positions, nor a block the serving version drafted to the positions its acceptance
+    reached. ``num_accepted`` of a replaced block is a placeholder (its width, so that
+    ``path_block_teacher`` takes every row on the path): replay sets it from the drafter's own greedy
+    drafts (``with_greedy_acceptance``), at the weights being trained. A block stops at the record's last
+    token; one that would end narrower than served stays as served."""
     draws = torch.rand(len(blocks), generator=generator).tolist()
     last = len(record.tokens) - 1
     out, widened = list(blocks), []
     for i, (block, draw) in enumerate(zip(blocks, draws)):
         width = min(block_size, last - block.anchor)
-        if draw < share and width > len(block.draft_tokens):
+        if draw < share and width >= len(block.draft_tokens):
             path = tuple(record.tokens[block.anchor + 1:block.anchor + 1 + width])
             out[i] = BlockRecord(anchor=block.anchor, draft_tokens=path, num_accepted=width,
                                  drafter_version=block.drafter_version)
