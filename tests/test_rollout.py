@@ -17,13 +17,19 @@ from online_opd.train.sequences import TrainSequence
 from tests.tiny import tiny_drafter, tiny_target
 
 
-def test_simulated_blocks_equal_reference_speculative_decoding():
+def speculated_sequence():
+    """(drafter, prompt, reference speculative decoding's result, its tokens with the target's features)."""
     target = tiny_target(seed=4)
     drafter = tiny_drafter(target, block_size=4, seed=5)
     prompt = [3, 17, 9, 22, 41, 5]
     result = speculative_generate(target, drafter, prompt, max_new_tokens=40)
     seq = TrainSequence(torch.tensor(result.tokens), len(prompt))
     seq.aux_hidden = target.forward(seq.tokens, layer_ids=drafter.target_layer_ids).aux_hidden
+    return drafter, prompt, result, seq
+
+
+def test_simulated_blocks_equal_reference_speculative_decoding():
+    drafter, prompt, result, seq = speculated_sequence()
     simulated = greedy_blocks(drafter, seq)
     # the reference also drafts after the last token it keeps; compare the shared prefix
     assert simulated == result.blocks[: len(simulated)]
@@ -34,16 +40,10 @@ def test_simulated_blocks_equal_reference_speculative_decoding():
     assert pooled_acceptance_length([simulated]) == 1 + sum(b.num_accepted for b in simulated) / len(simulated)
 
 
-
 def test_narrower_blocks_are_drafted_as_a_server_drafting_fewer_tokens_does():
     """``num_draft_tokens`` K' < K: every block has K' tokens, the drafter's K'-wide proposal at its anchor (a
     DFlash K'-block, not the first K' of a K-block), and the walk is a valid record."""
-    target = tiny_target(seed=4)
-    drafter = tiny_drafter(target, block_size=4, seed=5)
-    prompt = [3, 17, 9, 22, 41, 5]
-    result = speculative_generate(target, drafter, prompt, max_new_tokens=40)
-    seq = TrainSequence(torch.tensor(result.tokens), len(prompt))
-    seq.aux_hidden = target.forward(seq.tokens, layer_ids=drafter.target_layer_ids).aux_hidden
+    drafter, prompt, result, seq = speculated_sequence()
     for width in (1, 2):
         blocks = greedy_blocks(drafter, seq, num_draft_tokens=width)
         assert blocks and all(len(b.draft_tokens) == width for b in blocks)
