@@ -41,6 +41,18 @@ def replay_pair():
     return replay_models()
 
 
+@pytest.fixture(scope="module")
+def target(replay_pair):
+    """The replay pair's 3-layer target; a module that needs another target defines its own ``target``."""
+    return replay_pair[0]
+
+
+@pytest.fixture(scope="module")
+def drafter(replay_pair):
+    """The replay pair's DFlash drafter (block size 4, weights near zero); a module may define its own."""
+    return replay_pair[1]
+
+
 # ---------------------------------------------------------------- what a module leaves running
 
 _LEFT_BEHIND: list[str] = []

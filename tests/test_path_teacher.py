@@ -35,16 +35,6 @@ PROMPT = REPLAY_PROMPT
 
 
 @pytest.fixture(scope="module")
-def target(replay_pair):
-    return replay_pair[0]
-
-
-@pytest.fixture(scope="module")
-def drafter(replay_pair):
-    return replay_pair[1]
-
-
-@pytest.fixture(scope="module")
 def tokens(target):
     return torch.tensor(target_generate(target, PROMPT, 24))  # greedy, T = 30
 

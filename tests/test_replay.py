@@ -10,20 +10,10 @@ from online_opd.opd.losses import draft_opd_loss
 from online_opd.opd.replay import packed_block_mask, replay_sequence, replay_sequence_naive
 from online_opd.opd.specdec import speculative_generate, target_generate
 from online_opd.traces.records import BlockRecord
-from tests.tiny import tiny_drafter, tiny_eagle3_drafter, tiny_target
+from tests.tiny import REPLAY_PROMPT, tiny_eagle3_drafter
 
 K = 4
-PROMPT = [5, 17, 3, 42, 8, 29]
-
-
-@pytest.fixture(scope="module")
-def target():
-    return tiny_target(0, num_layers=3, init_range=0.5)
-
-
-@pytest.fixture(scope="module")
-def drafter(target):
-    return tiny_drafter(target, block_size=K, seed=1, std=0.02)
+PROMPT = REPLAY_PROMPT
 
 
 @pytest.fixture(scope="module")

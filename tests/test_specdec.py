@@ -12,20 +12,10 @@ from online_opd.opd.specdec import (
     verify_rejection,
 )
 from online_opd.traces.records import check_fidelity
-from tests.tiny import tiny_drafter, tiny_target
+from tests.tiny import REPLAY_PROMPT
 
 K = 4
-PROMPT = [5, 17, 3, 42, 8, 29]
-
-
-@pytest.fixture(scope="module")
-def target():
-    return tiny_target(0, num_layers=3, init_range=0.5)
-
-
-@pytest.fixture(scope="module")
-def drafter(target):
-    return tiny_drafter(target, block_size=K, seed=1, std=0.02)
+PROMPT = REPLAY_PROMPT
 
 
 class OracleDrafter:

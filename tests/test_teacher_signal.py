@@ -32,16 +32,6 @@ K = 4
 PROMPT = REPLAY_PROMPT
 
 
-@pytest.fixture(scope="module")
-def target(replay_pair):
-    return replay_pair[0]
-
-
-@pytest.fixture(scope="module")
-def drafter(replay_pair):
-    return replay_pair[1]
-
-
 def block_teacher(target, tokens: torch.Tensor, block: BlockRecord, k: int) -> TeacherTopK:
     """What the verifier would capture for ``block``: the target's K_m + 1 rows on x_<=a, d_1..d_K_m."""
     a, draft = block.anchor, torch.tensor(block.draft_tokens)
