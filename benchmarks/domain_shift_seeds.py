@@ -6,8 +6,9 @@ may be split over several invocations, e.g. `--arms auto --seed 1` and `--arms t
 bootstrap, same prompts), the minutes per arm, the speculation mode, feature capture and the code the arms ran
 (`code_version`; `--allow-mixed-commits` to compare different code anyway, `--by-code` to compare an arm
 with itself on different code: each arm is then named `<arm>@<code>`, `--same-code A=B` to read code A as
-B where their difference does not touch the arms); anything else is refused with the
-differing setting named. Per arm: the held-out tau of the version serving at the end of
+B where their difference does not touch the arms; `--by-set` to compare an arm with itself under different
+`--set` overrides: each arm is then named `<arm>+<overrides>`, or `<arm>` with none); anything else is refused
+with the differing setting named. Per arm: the held-out tau of the version serving at the end of
 each seed's run (its last promotion or rollback), its ratio to the static drafter, mean and Student-t 95%
 interval over seeds, trainer steps and keep-up (trained / served tokens per second); per pair of arms:
 the paired difference on the seeds both ran, and at equal trainer steps: at each seed S = the fewer final
@@ -76,15 +77,24 @@ def tau_at_step(points: list[tuple[int, float]], steps: float) -> float:
     return [tau for step, tau in points if step <= steps][-1]
 
 
+def arm_name(arm: dict, commit: str, overrides: list[str], by_code: bool, by_set: bool) -> str:
+    """The arm's key: its name, then ``@<code>`` with ``by_code``, then ``+<overrides>`` with ``by_set``."""
+    name = f"{arm['name']}@{commit}" if by_code else arm["name"]
+    return f"{name}+{','.join(overrides)}" if by_set and overrides else name
+
+
 def collect(paths: list[Path], allow_mixed_commits: bool = False, by_code: bool = False,
-            same_code: dict[str, str] | None = None) -> tuple[dict, dict[str, dict[int, dict]]]:
+            same_code: dict[str, str] | None = None,
+            by_set: bool = False) -> tuple[dict, dict[str, dict[int, dict]]]:
     """(shared settings, {arm: {seed: figures}}); refuses runs that differ, an arm seen twice at a seed, and
     (unless ``allow_mixed_commits`` or ``by_code``) runs of different code (``code_version``: the served and
     trained code, whatever else the commits changed; else ``commit``; "unknown" for runs that recorded
     neither). ``by_code``: arms are keyed ``<arm>@<code>``, so the pairs compare code versions seed by seed.
     ``same_code``: code versions to read as another (``{"174444aeddfd": "d5680d6ead01"}``: the caller
-    checked that what differs between them does not touch the arms compared; the JSON lists both)."""
-    shared, arms, commits = None, {}, set()
+    checked that what differs between them does not touch the arms compared; the JSON lists both).
+    ``by_set``: runs may differ in their ``--set`` overrides, and arms are keyed ``<arm>+<overrides>``
+    (the shared settings' ``set`` then lists each run's)."""
+    shared, arms, commits, overrides = None, {}, set(), []
     same_code = same_code or {}
     for path in paths:
         run = json.loads(path.read_text())
@@ -95,6 +105,10 @@ def collect(paths: list[Path], allow_mixed_commits: bool = False, by_code: bool 
             raise SystemExit(f"{path}: ran on code {commit}, the runs before it on {sorted(commits - {commit})}; "
                              "--allow-mixed-commits to compare them anyway")
         these = settings(run)
+        if by_set:
+            if these["set"] not in overrides:
+                overrides.append(these["set"])
+            these["set"] = None
         if shared is None:
             shared = these
         elif these != shared:
@@ -102,7 +116,7 @@ def collect(paths: list[Path], allow_mixed_commits: bool = False, by_code: bool 
             raise SystemExit(f"{path}: not comparable with the runs before it: {diff}")
         seed = int(run.get("seed", 0))
         for arm in run["arms"]:
-            name = f"{arm['name']}@{commit}" if by_code else arm["name"]
+            name = arm_name(arm, commit, settings(run)["set"], by_code, by_set)
             if seed in arms.setdefault(name, {}):
                 raise SystemExit(f"{path}: arm {name} at seed {seed} appears twice")
             end = arm["timeline"][-1]["tau_held_out"] if arm["timeline"] else run["static_tau"]
@@ -113,6 +127,8 @@ def collect(paths: list[Path], allow_mixed_commits: bool = False, by_code: bool 
                                 "keep_up": keep_up.get("keep_up"), "source": str(path), "code": recorded}
     if shared is None:
         raise SystemExit("no runs given")
+    if by_set:
+        shared["set"] = overrides
     return {**shared, "code": sorted(commits)}, arms
 
 
@@ -164,11 +180,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--same-code", action="append", default=[], metavar="CODE=AS",
                    help="read code version CODE as AS (repeatable): runs whose code differs only where the arms "
                         "compared never read it (check with git diff first)")
+    p.add_argument("--by-set", action="store_true",
+                   help="name each arm <arm>+<its run's --set overrides>: the same arm run with other overrides "
+                        "becomes another arm, paired seed by seed")
     args = p.parse_args(argv)
     aliases = dict(pair.split("=", 1) for pair in args.same_code if "=" in pair)
     if len(aliases) != len(args.same_code):
         p.error("--same-code takes CODE=AS")
-    summary = summarise(*collect(args.runs, args.allow_mixed_commits, args.by_code, aliases))
+    summary = summarise(*collect(args.runs, args.allow_mixed_commits, args.by_code, aliases, args.by_set))
     text = json.dumps(summary, indent=2)
     if args.json_out:
         args.json_out.parent.mkdir(parents=True, exist_ok=True)

@@ -94,6 +94,23 @@ def test_runs_that_differ_in_a_setting_or_repeat_an_arm_are_refused(tmp_path):
         domain_shift_seeds.collect([])
 
 
+def test_runs_with_other_overrides_are_other_arms_with_by_set(tmp_path):
+    plain = [write(tmp_path, f"p{s}", run(s, {"auto": [("promote", 1.5 + s / 100)]})) for s in (1, 2)]
+    widened = [write(tmp_path, f"w{s}", run(s, {"auto": [("promote", 1.6 + s / 100)]},
+                                            set=["trainer.widen_share=1.0"])) for s in (1, 2)]
+    with pytest.raises(SystemExit, match="set"):  # without --by-set: not comparable
+        domain_shift_seeds.collect([*plain, *widened])
+    shared, arms = domain_shift_seeds.collect([*plain, *widened], by_set=True)
+    assert shared["set"] == [[], ["trainer.widen_share=1.0"]]
+    assert sorted(arms) == ["auto", "auto+trainer.widen_share=1.0"]
+    out = domain_shift_seeds.summarise(shared, arms)
+    pair = out["paired"]["auto - auto+trainer.widen_share=1.0"]
+    assert pair["seeds"] == [1, 2] and pair["diff"]["mean"] == pytest.approx(-0.1)
+    with pytest.raises(SystemExit, match="speculation"):  # the other settings must still match
+        domain_shift_seeds.collect([*plain, write(tmp_path, "x", run(3, {"auto": []}, speculation="always",
+                                                                     set=["a=1"]))], by_set=True)
+
+
 def with_steps(data: dict, steps: dict[str, tuple[float, list[int]]]) -> dict:
     """`data` with each arm's final trainer steps and its timeline points' version steps (after the static)."""
     for arm in data["arms"]:
