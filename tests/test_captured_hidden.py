@@ -23,7 +23,7 @@ from online_opd.traces.records import BlockRecord, SequenceRecord
 from online_opd.traces.target_signal import TargetHidden
 from online_opd.train.opd import replay_records
 from tests.test_teacher_capture import new_request, run_step, schedule
-from tests.test_teacher_signal import PROMPT, K, drafter, target  # noqa: F401  (the same tiny models)
+from tests.test_teacher_signal import PROMPT, K  # the target and drafter fixtures: conftest.py
 from tests.tiny import VOCAB
 from vllm_patches.capture import Capture, CaptureSettings
 from vllm_patches.capture_features import join_hidden
