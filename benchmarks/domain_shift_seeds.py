@@ -105,10 +105,11 @@ def collect(paths: list[Path], allow_mixed_commits: bool = False, by_code: bool 
             raise SystemExit(f"{path}: ran on code {commit}, the runs before it on {sorted(commits - {commit})}; "
                              "--allow-mixed-commits to compare them anyway")
         these = settings(run)
+        run_set = these["set"]
         if by_set:
-            if these["set"] not in overrides:
-                overrides.append(these["set"])
-            these["set"] = None
+            if run_set not in overrides:
+                overrides.append(run_set)
+            these["set"] = None  # compared by arm name instead
         if shared is None:
             shared = these
         elif these != shared:
@@ -116,7 +117,7 @@ def collect(paths: list[Path], allow_mixed_commits: bool = False, by_code: bool 
             raise SystemExit(f"{path}: not comparable with the runs before it: {diff}")
         seed = int(run.get("seed", 0))
         for arm in run["arms"]:
-            name = arm_name(arm, commit, settings(run)["set"], by_code, by_set)
+            name = arm_name(arm, commit, run_set, by_code, by_set)
             if seed in arms.setdefault(name, {}):
                 raise SystemExit(f"{path}: arm {name} at seed {seed} appears twice")
             end = arm["timeline"][-1]["tau_held_out"] if arm["timeline"] else run["static_tau"]
