@@ -30,6 +30,7 @@ import sys
 from pathlib import Path
 
 from intervals import t_interval  # sibling module: benchmarks/ leads sys.path
+from provenance import print_result
 
 SHARED = ("static_tau", "held_out_prompts", "max_tokens", "speculation", "capture_features", "minutes_per_arm",
           "traffic", "set")
@@ -189,11 +190,7 @@ def main(argv: list[str] | None = None) -> int:
     if len(aliases) != len(args.same_code):
         p.error("--same-code takes CODE=AS")
     summary = summarise(*collect(args.runs, args.allow_mixed_commits, args.by_code, aliases, args.by_set))
-    text = json.dumps(summary, indent=2)
-    if args.json_out:
-        args.json_out.parent.mkdir(parents=True, exist_ok=True)
-        args.json_out.write_text(text + "\n")
-    print(text)
+    print_result(summary, args.json_out)
     return 0
 
 

@@ -32,14 +32,14 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import json
 import logging
 import os
 import sys
 from pathlib import Path
 
 import torch
-from objectives import held_out_sequences  # sibling script: benchmarks/ leads sys.path
+from objectives import held_out_sequences  # sibling scripts: benchmarks/ leads sys.path
+from provenance import print_result
 
 from online_opd.config import load_config
 from serve.pipeline import load_serving_drafter, resolve_target
@@ -187,11 +187,7 @@ def main() -> None:
             "calibration": calibration_rows([t for half in tables for t in half]),
         }
         logging.info("K=%d: untrimmed tau %.4f; goodput vs plain %s", k, untrimmed["tau"], per_b)
-    text = json.dumps(result, indent=2)
-    if args.json_out is not None:
-        args.json_out.parent.mkdir(parents=True, exist_ok=True)
-        args.json_out.write_text(text + "\n")
-    print(text)
+    print_result(result, args.json_out)
 
 
 def parse_args() -> argparse.Namespace:

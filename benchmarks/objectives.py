@@ -37,6 +37,7 @@ from pathlib import Path
 import torch
 from intervals import t_interval  # sibling modules: benchmarks/ leads sys.path
 from offline_opd_vs_sft import run_arm, sft_step_fn
+from provenance import print_result
 
 from online_opd.config import apply_overrides, load_config
 from online_opd.models.target_model import TargetModel
@@ -229,11 +230,7 @@ def main() -> None:
         "reference": args.reference,
         "summary": summarise(per_seed, boot_score["tau"], args.arms, args.reference), "per_seed": per_seed,
     }
-    text = json.dumps(result, indent=2)
-    if args.json_out is not None:
-        args.json_out.parent.mkdir(parents=True, exist_ok=True)
-        args.json_out.write_text(text + "\n")
-    print(text)
+    print_result(result, args.json_out)
 
 
 if __name__ == "__main__":

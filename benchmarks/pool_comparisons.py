@@ -20,6 +20,7 @@ import sys
 from pathlib import Path
 
 from intervals import t_interval  # sibling module: benchmarks/ leads sys.path
+from provenance import print_result
 from scipy import stats
 
 
@@ -62,11 +63,7 @@ def main(argv: list[str] | None = None) -> int:
         result = pool(summaries, *args.arms, against=args.against)
     except (OSError, json.JSONDecodeError, KeyError, ValueError) as exc:
         p.exit(2, f"pool_comparisons: {type(exc).__name__}: {exc}\n")
-    text = json.dumps(result, indent=2)
-    if args.json_out:
-        args.json_out.parent.mkdir(parents=True, exist_ok=True)
-        args.json_out.write_text(text + "\n")
-    print(text)
+    print_result(result, args.json_out)
     return 0
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import json
 import subprocess
 from pathlib import Path
 
@@ -32,3 +33,12 @@ def code_version() -> str | None:
     except (OSError, subprocess.SubprocessError):
         return None
     return hashlib.sha1(trees.encode()).hexdigest()[:12] + ("+dirty" if dirty else "")
+
+
+def print_result(result: dict, json_out: Path | None = None) -> None:
+    """Print ``result`` as indented JSON on stdout, and with ``json_out`` also write it there (folders made)."""
+    text = json.dumps(result, indent=2)
+    if json_out is not None:
+        json_out.parent.mkdir(parents=True, exist_ok=True)
+        json_out.write_text(text + "\n")
+    print(text)
