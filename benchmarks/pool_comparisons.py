@@ -38,7 +38,12 @@ def ratios(summary: dict, a: str, b: str) -> dict[str, float]:
 
 
 def pool(summaries: dict[str, dict], a: str, b: str, against: float | None = None) -> dict:
-    per = {name: ratios(s, a, b) for name, s in summaries.items()}
+    per = {}
+    for name, summary in summaries.items():
+        try:
+            per[name] = ratios(summary, a, b)
+        except ValueError as exc:
+            raise ValueError(f"{name}: {exc}") from None
     values = [r for by_seed in per.values() for r in by_seed.values()]
     out = {"arms": [a, b], "ratio": t_interval(values),
            "comparisons": {name: {"settings": summaries[name].get("settings"),

@@ -46,7 +46,7 @@ def test_a_missing_arm_or_no_common_seed_is_named(tmp_path, capsys):
     path.write_text(json.dumps(summary({"auto": {"1": 1.5}, "naive": {"2": 1.5}}, 30)))
     with pytest.raises(SystemExit) as exc:
         pool_comparisons.main([str(path)])
-    assert exc.value.code == 2 and "share no seed" in capsys.readouterr().err
+    assert exc.value.code == 2 and f"{path}: arms auto and naive share no seed" in capsys.readouterr().err
     with pytest.raises(SystemExit) as exc:
         pool_comparisons.main([str(path), "--arms", "auto", "lk"])
     assert exc.value.code == 2 and "['lk'] not in this summary" in capsys.readouterr().err
